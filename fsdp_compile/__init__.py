@@ -1,0 +1,24 @@
+"""fsdp_compile: fully sharded data parallelism done by the compiler.
+
+``fully_shard(model)`` shards parameters as DTensors; ``torch.compile(model, backend="mfsdp")``
+places the all-gathers and reduce-scatters on the traced graph.
+"""
+
+from fsdp_compile.api import fully_shard, is_fully_sharded, shard_info
+from fsdp_compile.backend import CompiledGraph, MfsdpBackend, _register, mfsdp_backend
+from fsdp_compile.errors import UsageError
+from fsdp_compile.plan import BackendOptions, Plan
+
+_register()
+
+__all__ = [
+    "fully_shard",
+    "is_fully_sharded",
+    "shard_info",
+    "mfsdp_backend",
+    "MfsdpBackend",
+    "CompiledGraph",
+    "BackendOptions",
+    "Plan",
+    "UsageError",
+]

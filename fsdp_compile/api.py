@@ -1,0 +1,197 @@
+"""``fully_shard``: turn a module's parameters into ``Shard(0)`` DTensors read through markers.
+
+Each managed parameter is replaced by an ``nn.Parameter`` wrapping a DTensor with the true global
+shape, so ``model.parameters()``, torch.optim, ``clip_grad_norm_`` and ``state_dict()`` see
+ordinary sharded parameters. The module's class is swapped for a generated subclass whose
+property for that name returns ``unshard(param.to_local())``: every read of the attribute, by
+``forward``, a custom ``autograd.Function`` or a fused kernel, passes through the marker, and no
+module hook exists that a kernel could bypass (see NOTE: why markers, in docs/design.md).
+
+The sharding record lives on the parameter object (``param._mfsdp``): Dynamo hands the backend
+the real parameters as example inputs, so the backend reads the plan's facts from them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from fsdp_compile.errors import UsageError
+from fsdp_compile.ops import unshard
+
+__all__ = ["fully_shard", "ShardInfo", "shard_info", "is_fully_sharded"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInfo:
+    """What ``fully_shard`` decided for one parameter; read by the backend's planner."""
+
+    param_id: int
+    """Stable key the markers carry: creation order, identical on ranks that shard alike."""
+    fqn: str
+    """First name the parameter was found under, relative to the module ``fully_shard`` got."""
+    unit: str
+    """The ``fully_shard`` call that owns it, by that module's class and id (a bucketing hint)."""
+    global_shape: tuple[int, ...]
+    """Shape of the unsharded parameter."""
+    group_name: str
+    """Process group the parameter is sharded over (the mesh's only dimension)."""
+    world: int
+    """Ranks in that group."""
+    reshard_after_forward: bool
+    """Free the gathered parameter after forward and gather again in backward."""
+
+
+def shard_info(param: object) -> ShardInfo | None:
+    """The sharding record of a parameter ``fully_shard`` manages, else None."""
+    return getattr(param, "_mfsdp", None)
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    return getattr(module, "_mfsdp_unit", None) is not None
+
+
+def _default_mesh(module: nn.Module) -> DeviceMesh:
+    if not dist.is_available() or not dist.is_initialized():
+        raise UsageError(
+            "fully_shard needs a process group: call torch.distributed.init_process_group() "
+            "first (torchrun sets the environment), or pass mesh=init_device_mesh(...)."
+        )
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
+    """Every precondition, checked before any collective so no rank is left waiting."""
+    if not isinstance(module, nn.Module):
+        raise UsageError(f"fully_shard expects an nn.Module, got {type(module).__name__}.")
+    if is_fully_sharded(module):
+        raise UsageError(
+            f"fully_shard was already called on this {type(module).__name__}; call it once per "
+            "module (submodules first, then the root)."
+        )
+    if mesh is not None and mesh.ndim != 1:
+        raise UsageError(f"fully_shard takes a 1-D mesh, got a {mesh.ndim}-D mesh {mesh}.")
+    devices = {p.device for p in module.parameters() if not isinstance(p, DTensor)}
+    if len(devices) > 1:
+        raise UsageError(
+            "fully_shard found parameters on several devices "
+            f"({', '.join(sorted(map(str, devices)))}); move the module to one device first, "
+            "e.g. module.to('cuda')."
+        )
+    for name, param in module.named_parameters():
+        if not isinstance(param, DTensor) and not param.is_floating_point():
+            raise UsageError(
+                f"parameter {name!r} has dtype {param.dtype}; only floating-point parameters "
+                "can be sharded. Register it as a buffer (module.register_buffer) instead."
+            )
+        if not isinstance(param, DTensor) and param.ndim == 0:
+            raise UsageError(
+                f"parameter {name!r} is a 0-dim scalar and cannot be sharded on dim 0; give it "
+                "shape [1] instead."
+            )
+
+
+def _managed_params(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
+    """Unsharded parameters of ``module`` by identity, each once (tied ones share an entry)."""
+    found: dict[int, tuple[str, nn.Parameter]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if isinstance(param, DTensor):  # already owned by a submodule's fully_shard
+            continue
+        found.setdefault(id(param), (name, param))
+    return found
+
+
+# Markers carry this key so each joint-graph node names its parameter without guessing from
+# graph positions; every rank must shard the same modules in the same order (as with FSDP2).
+_param_ids = itertools.count()
+
+
+def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
+    shard = self._parameters[name].to_local()
+    return unshard(shard, info.global_shape[0], info.group_name, info.param_id)
+
+
+# Inside a compiled frame Dynamo inlines the getter, and the marker's sizes are constants of
+# that graph. Called from eager code (a frame Dynamo fell back on), the getter must run eagerly
+# too: compiled as a frame of its own, its int arguments would turn symbolic after the second
+# parameter and the marker would lose its static sizes.
+torch._dynamo.eval_frame.skip_code(_gathered.__code__)
+
+
+def _gathered_property(name: str, info: ShardInfo) -> property:
+    return property(functools.partial(_gathered, name=name, info=info))
+
+
+def _install_properties(module: nn.Module, props: dict[str, property]) -> None:
+    """Swap ``module``'s class for a subclass whose ``props`` read parameters gathered."""
+    cls = module.__class__
+    base = getattr(cls, "_mfsdp_base", cls)
+    existing = {k: v for k, v in vars(cls).items() if k in getattr(cls, "_mfsdp_names", ())}
+    names = tuple({**existing, **props})
+    namespace = {**existing, **props, "_mfsdp_base": base, "_mfsdp_names": names}
+    module.__class__ = type(f"Sharded{base.__name__}", (base,), namespace)
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard every parameter of ``module`` not yet sharded on dim 0 over ``mesh`` (ZeRO-3).
+
+    Call it on submodules first (each call is a unit, a bucketing hint), then on the root.
+    Parameters become ``Shard(0)`` DTensors holding this rank's rows; buffers stay replicated.
+    Reads of a sharded attribute return the full tensor, gathered; its gradient is averaged over
+    the mesh and lands as this rank's ``Shard(0)`` DTensor ``.grad``. Returns ``module``.
+    """
+    _check_module(module, mesh)
+    mesh = mesh if mesh is not None else _default_mesh(module)
+    group_name = mesh.get_group().group_name
+    unit = f"{type(module).__name__}@{id(module):x}"
+
+    params = _managed_params(module)
+    sharded: dict[int, nn.Parameter] = {}
+    for key, (fqn, param) in params.items():
+        if hasattr(param, "_mfsdp_sharded_as"):
+            # Tied to a parameter an earlier (submodule) call already sharded: reuse that one.
+            sharded[key] = param._mfsdp_sharded_as
+            continue
+        info = ShardInfo(
+            param_id=next(_param_ids),
+            fqn=fqn,
+            unit=unit,
+            global_shape=tuple(param.shape),
+            group_name=group_name,
+            world=mesh.size(),
+            reshard_after_forward=reshard_after_forward,
+        )
+        # Each rank already holds the full tensor, so cut locally (src_data_rank=None):
+        # no broadcast runs and ranks must have been seeded alike, as with FSDP2.
+        dtensor = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
+        new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        new_param._mfsdp = info
+        # Modules outside this call may still hold ``param`` (ties across units): leave a
+        # forwarding note so the root's call reuses this shard instead of sharding twice.
+        param._mfsdp_sharded_as = new_param
+        sharded[key] = new_param
+
+    for submodule in module.modules():
+        props = {}
+        for name, param in list(submodule._parameters.items()):
+            if param is not None and id(param) in sharded:
+                new_param = sharded[id(param)]
+                submodule._parameters[name] = new_param
+                props[name] = _gathered_property(name, new_param._mfsdp)
+        if props:
+            _install_properties(submodule, props)
+    module._mfsdp_unit = unit
+    return module

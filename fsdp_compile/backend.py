@@ -1,0 +1,126 @@
+"""The ``mfsdp`` Dynamo backend: plan, rewrite, partition, compile.
+
+    Dynamo graph ──dedupe_unshards──> aot_autograd ──joint graph──> lower_collectives -> reshard
+        -> min-cut partition ──forward / backward graphs──> Inductor, or the eager FX runner
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+
+from fsdp_compile.pipeline import build_pipeline, run_passes
+from fsdp_compile.plan import BackendOptions, Plan, build_plan
+
+__all__ = ["mfsdp_backend", "MfsdpBackend", "MfsdpPartitioner", "CompiledGraph"]
+
+
+class MfsdpPartitioner(CustomPartitionerFn):
+    """Runs the joint-graph passes, then AOTAutograd's min-cut partitioner.
+
+    Used as Inductor's ``custom_partitioner_fn`` (after Inductor's own joint passes) and as
+    ``aot_autograd``'s ``partition_fn`` for the eager runner, so both compilers partition the
+    same rewritten graph.
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.pipeline = build_pipeline(plan)
+        self.joint: fx.GraphModule | None = None
+        self.partitioned: tuple[fx.GraphModule, fx.GraphModule] | None = None
+
+    def __call__(
+        self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        gm = run_passes(gm, self.plan, self.pipeline, "joint")
+        self.joint = gm
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        fw.meta["mfsdp_plan"] = bw.meta["mfsdp_plan"] = self.plan
+        self.partitioned = (fw, bw)
+        return fw, bw
+
+    def uuid(self) -> Any:
+        # Compiled artifacts depend on this package's passes and on the plan (groups, sizes).
+        import fsdp_compile
+
+        return (get_hash_for_files(tuple(_package_files(fsdp_compile))), repr(self.plan))
+
+
+def _package_files(package) -> list[str]:
+    from pathlib import Path
+
+    return sorted(str(p) for p in Path(package.__file__).parent.rglob("*.py"))
+
+
+def _eager_compiler(gm: fx.GraphModule, example_inputs: Sequence[object]):
+    return make_boxed_func(gm.forward)
+
+
+@dataclass
+class CompiledGraph:
+    """One graph the backend compiled: its plan and the graphs each stage produced."""
+
+    plan: Plan
+    dynamo: fx.GraphModule
+    """The Dynamo graph after the Dynamo-stage passes."""
+    partitioner: MfsdpPartitioner
+
+    @property
+    def forward(self) -> fx.GraphModule:
+        """The partitioned forward graph (available once the graph has been compiled)."""
+        return self.partitioner.partitioned[0]
+
+    @property
+    def backward(self) -> fx.GraphModule:
+        return self.partitioner.partitioned[1]
+
+
+class MfsdpBackend:
+    """A Dynamo backend object; ``torch.compile(model, backend=MfsdpBackend(compiler="eager"))``.
+
+    Same as ``backend="mfsdp"`` with ``options``, and it keeps every graph it compiled in
+    ``self.graphs`` (plans and partitioned graphs) for inspection and tests.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.options = BackendOptions.parse(options)
+        self.graphs: list[CompiledGraph] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        plan = build_plan(gm, example_inputs, self.options)
+        gm = run_passes(gm, plan, build_pipeline(plan), "dynamo")
+        partitioner = MfsdpPartitioner(plan)
+        self.graphs.append(CompiledGraph(plan, gm, partitioner))
+        if self.options.compiler == "eager":
+            compiled = aot_autograd(
+                fw_compiler=_eager_compiler, bw_compiler=_eager_compiler, partition_fn=partitioner
+            )
+            return compiled(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+
+
+def mfsdp_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None):
+    """``torch.compile(model, backend="mfsdp", options={...})`` lands here once per graph."""
+    return MfsdpBackend(**(options or {}))(gm, example_inputs)
+
+
+def _register() -> None:
+    """Make ``backend="mfsdp"`` resolve once ``fsdp_compile`` is imported.
+
+    When Dynamo itself imports this package through the ``torch_dynamo_backends`` entry point,
+    it registers the name right after the import, so registering here too would be a duplicate.
+    """
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    loading_entry_point = _BACKENDS.get("mfsdp") is not None
+    if "mfsdp" not in _COMPILER_FNS and not loading_entry_point:
+        register_backend(name="mfsdp")(mfsdp_backend)

@@ -1,0 +1,84 @@
+"""Pass (joint graph): markers become functional collectives on the plan's process groups."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from fsdp_compile.fx_utils import call, finish
+from fsdp_compile.patterns import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    WAIT,
+    is_marker,
+    is_reduce_grad,
+    is_unshard,
+    marker_param_id,
+)
+from fsdp_compile.plan import ParamPlan, Plan
+
+aten = torch.ops.aten
+
+
+def _pad_rows(graph: fx.Graph, node: fx.Node, rows: int) -> fx.Node:
+    missing = rows - node.meta["val"].shape[0]
+    if missing == 0:
+        return node
+    ndim = node.meta["val"].ndim
+    # constant_pad_nd lists (before, after) pairs from the last dim back to dim 0.
+    return call(graph, aten.constant_pad_nd.default, node, [0, 0] * (ndim - 1) + [0, missing])
+
+
+def _first_rows(graph: fx.Graph, node: fx.Node, rows: int) -> fx.Node:
+    if node.meta["val"].shape[0] == rows:
+        return node
+    return call(graph, aten.slice.Tensor, node, 0, 0, rows)
+
+
+def _lower_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
+    shard = marker.args[0]
+    padded = _pad_rows(graph, shard, param.padded_rows)
+    gathered = call(graph, ALL_GATHER, padded, param.world, param.group_name)
+    waited = call(graph, WAIT, gathered)
+    return _first_rows(graph, waited, param.global_shape[0])
+
+
+def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
+    grad = marker.args[0]
+    padded = _pad_rows(graph, grad, param.padded_rows * param.world)
+    # SUM then divide, as the eager marker does (gloo has no AVG): see fsdp_compile/ops.py.
+    scattered = call(graph, REDUCE_SCATTER, padded, "sum", param.world, param.group_name)
+    waited = call(graph, WAIT, scattered)
+    return call(graph, aten.div.Tensor, _first_rows(graph, waited, param.shard_rows), param.world)
+
+
+def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Afterwards no marker is left: each ``unshard`` is a pad/all_gather/wait/slice chain and
+    each ``reduce_grad`` a pad/reduce_scatter/wait/slice/div chain on the parameter's group,
+    sizes and world taken from the plan. Numerics match the eager markers bit for bit.
+    """
+    for marker in list(gm.graph.nodes):
+        if not is_marker(marker):
+            continue
+        param = plan.param(marker_param_id(marker))
+        before = set(gm.graph.nodes)
+        with gm.graph.inserting_before(marker):
+            if is_unshard(marker):
+                lowered = _lower_unshard(gm.graph, marker, param)
+            else:
+                assert is_reduce_grad(marker)
+                lowered = _lower_reduce_grad(gm.graph, marker, param)
+        # The chain inherits the marker's provenance (stack trace, module path, forward or
+        # backward tag), which the partitioner and the dumps read.
+        inherited = {k: v for k, v in marker.meta.items() if k != "val"}
+        inherited["mfsdp_param_id"] = param.param_id
+        for node in set(gm.graph.nodes) - before:
+            node.meta.update(inherited)
+        marker.replace_all_uses_with(lowered)
+        gm.graph.erase_node(marker)
+    return finish(gm)
+
+
+def check_lower_collectives(gm: fx.GraphModule, plan: Plan) -> None:
+    left = [n.format_node() for n in gm.graph.nodes if is_marker(n)]
+    assert not left, f"markers left after lowering: {left}"

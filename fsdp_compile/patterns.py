@@ -1,0 +1,90 @@
+"""Node predicates, defined once for every pass, check and test.
+
+The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = only when padded)::
+
+    traced (Dynamo / joint graph, before lowering)
+        shard ── fsdp_compile.unshard ──> use            grad ── fsdp_compile.reduce_grad ──> .grad
+    lowered (joint graph)
+        shard ─[pad]─ all_gather_into_tensor ─ wait_tensor ─[slice]─ view* ──> use
+        grad ─[pad]─ reduce_scatter_tensor ─ wait_tensor ─[slice]─ div ──> .grad
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import fx
+
+from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
+
+UNSHARD = torch.ops.fsdp_compile.unshard.default
+REDUCE_GRAD = torch.ops.fsdp_compile.reduce_grad.default
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
+MARKERS = {UNSHARD: "unshard", REDUCE_GRAD: "reduce_grad"}
+
+
+def _calls(node: fx.Node, op: torch._ops.OpOverload) -> bool:
+    # Dynamo records a custom op call by its packet, AOTAutograd by its overload.
+    return node.op == "call_function" and node.target in (op, op.overloadpacket)
+
+
+def is_unshard(node: fx.Node) -> bool:
+    return _calls(node, UNSHARD)
+
+
+def is_reduce_grad(node: fx.Node) -> bool:
+    return _calls(node, REDUCE_GRAD)
+
+
+def is_marker(node: fx.Node) -> bool:
+    return is_unshard(node) or is_reduce_grad(node)
+
+
+def is_all_gather(node: fx.Node) -> bool:
+    return _calls(node, ALL_GATHER)
+
+
+def is_reduce_scatter(node: fx.Node) -> bool:
+    return _calls(node, REDUCE_SCATTER)
+
+
+def is_collective(node: fx.Node) -> bool:
+    return is_all_gather(node) or is_reduce_scatter(node)
+
+
+def is_wait(node: fx.Node) -> bool:
+    return _calls(node, WAIT)
+
+
+def is_view(node: fx.Node) -> bool:
+    """An aten view op: its output aliases its input, so saving it saves the input's storage."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and bool(
+        target.is_view
+    )
+
+
+def marker_param_id(node: fx.Node) -> int:
+    """The ``param_id`` a marker node carries (its last argument)."""
+    assert is_marker(node), node.format_node()
+    return node.args[3] if len(node.args) > 3 else node.kwargs["param_id"]
+
+
+def count_collectives(graph: fx.Graph) -> Counter[str]:
+    """Collectives and markers in ``graph`` by kind: all_gather, reduce_scatter, unshard, ..."""
+    kinds = Counter()
+    for node in graph.nodes:
+        if is_all_gather(node):
+            kinds["all_gather"] += 1
+        elif is_reduce_scatter(node):
+            kinds["reduce_scatter"] += 1
+        elif is_unshard(node):
+            kinds["unshard"] += 1
+        elif is_reduce_grad(node):
+            kinds["reduce_grad"] += 1
+    return kinds

@@ -1,0 +1,64 @@
+"""The pass list, built apart from running it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from torch import fx
+
+from fsdp_compile import passes
+from fsdp_compile.patterns import count_collectives
+from fsdp_compile.plan import Plan
+
+Stage = Literal["dynamo", "joint"]
+GraphPass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
+Check = Callable[[fx.GraphModule, Plan], None]
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    stage: Stage
+    run: GraphPass
+    check: Check
+
+
+def build_pipeline(plan: Plan) -> list[Pass]:
+    """The passes for ``plan``'s graph, in order; each stage runs where its graph exists."""
+    return [
+        Pass("dedupe_unshards", "dynamo", passes.dedupe_unshards, passes.check_dedupe_unshards),
+        Pass("lower_collectives", "joint", passes.lower_collectives, passes.check_lower_collectives),
+        Pass("reshard", "joint", passes.reshard, passes.check_reshard),
+    ]
+
+
+class PassFailed(RuntimeError):
+    """A pass raised or broke its own postcondition; names the pass and the graph."""
+
+
+def run_passes(
+    gm: fx.GraphModule, plan: Plan, pipeline: list[Pass], stage: Stage
+) -> fx.GraphModule:
+    """Run ``stage``'s passes in order, checking each postcondition.
+
+    Each run is recorded in ``gm.meta["mfsdp_passes"]`` (name, seconds, collective counts
+    afterwards) for the debug dumps.
+    """
+    record = gm.meta.setdefault("mfsdp_passes", [])
+    for p in (p for p in pipeline if p.stage == stage):
+        start = time.perf_counter()
+        try:
+            gm = p.run(gm, plan)
+            p.check(gm, plan)
+        except Exception as error:
+            raise PassFailed(f"pass {p.name!r} failed on graph {plan.graph_name}: {error}") from error
+        record.append(
+            {
+                "pass": p.name,
+                "seconds": time.perf_counter() - start,
+                "collectives": dict(count_collectives(gm.graph)),
+            }
+        )
+    return gm

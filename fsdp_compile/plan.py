@@ -1,0 +1,145 @@
+"""The plan: every decision the passes act on, made once per compiled graph and frozen."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+from torch import fx, nn
+
+from fsdp_compile.api import shard_info
+from fsdp_compile.errors import CompileUsageError
+
+__all__ = ["ParamPlan", "Plan", "BackendOptions", "build_plan"]
+
+Compiler = Literal["inductor", "eager"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendOptions:
+    """What ``torch.compile(..., backend="mfsdp", options={...})`` accepts."""
+
+    compiler: Compiler = "inductor"
+    """"inductor" generates kernels; "eager" runs the rewritten FX graphs as Python (debugging, CPU tests)."""
+
+    @classmethod
+    def parse(cls, options: dict | None) -> BackendOptions:
+        options = dict(options or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise CompileUsageError(
+                f"unknown mfsdp option(s) {unknown}; the backend accepts {sorted(known)}."
+            )
+        compiler = options.get("compiler", cls.compiler)
+        if compiler not in ("inductor", "eager"):
+            raise CompileUsageError(
+                f"options['compiler'] must be 'inductor' or 'eager', got {compiler!r}."
+            )
+        return cls(**options)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamPlan:
+    """One sharded parameter as this graph uses it."""
+
+    param_id: int
+    """Key the graph's markers carry for this parameter."""
+    fqn: str
+    """Attribute path the graph reads it from (Dynamo's source name)."""
+    unit: str
+    """The fully_shard call that owns it."""
+    global_shape: tuple[int, ...]
+    """Unsharded shape."""
+    shard_rows: int
+    """Rows this rank holds (dim 0); may be 0 when dim 0 is smaller than the world."""
+    dtype: str
+    """Storage dtype, also the dtype on the wire."""
+    group_name: str
+    """Process group of its all-gather and reduce-scatter."""
+    world: int
+    """Ranks in that group."""
+    requires_grad: bool
+    """False for frozen parameters: gathered, never reduce-scattered."""
+    reshard_after_forward: bool
+    """True: the backward gathers again; False: the forward saves the gathered tensor."""
+
+    @property
+    def padded_rows(self) -> int:
+        return -(-self.global_shape[0] // self.world)
+
+    @property
+    def gathered_bytes(self) -> int:
+        numel = self.padded_rows * self.world
+        for size in self.global_shape[1:]:
+            numel *= size
+        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything the passes decide from: read-only once built."""
+
+    graph_name: str
+    """Dynamo's name for the frame's graph (several when the model has graph breaks)."""
+    options: BackendOptions
+    """Backend options this graph was compiled with."""
+    params: tuple[ParamPlan, ...] = field(default=())
+    """Sharded parameters the graph reads, in placeholder order."""
+
+    def param(self, param_id: int) -> ParamPlan:
+        for param in self.params:
+            if param.param_id == param_id:
+                return param
+        raise KeyError(f"no parameter with param_id={param_id} in plan {self.graph_name}")
+
+    @property
+    def trainable(self) -> tuple[ParamPlan, ...]:
+        return tuple(p for p in self.params if p.requires_grad)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def _source_name(node: fx.Node) -> str:
+    grapharg = node.meta.get("grapharg")
+    return grapharg.source.name if grapharg is not None else node.name
+
+
+def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions) -> Plan:
+    """Read the sharded parameters a Dynamo graph takes as inputs into a ``Plan``.
+
+    Raises ``CompileUsageError`` for a plain ``nn.Parameter`` among the inputs: the model (or
+    part of it) was never given to ``fully_shard``, and running it would silently train an
+    unsharded replica per rank.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = []
+    for node, value in zip(placeholders, example_inputs):
+        info = shard_info(value)
+        if info is None:
+            if isinstance(value, nn.Parameter):
+                raise CompileUsageError(
+                    f"parameter {_source_name(node)} was not sharded: call "
+                    "fsdp_compile.fully_shard(model) before torch.compile(model, backend='mfsdp')."
+                )
+            continue
+        local = value.to_local()
+        params.append(
+            ParamPlan(
+                param_id=info.param_id,
+                fqn=_source_name(node),
+                unit=info.unit,
+                global_shape=info.global_shape,
+                shard_rows=local.shape[0],
+                dtype=str(local.dtype).removeprefix("torch."),
+                group_name=info.group_name,
+                world=info.world,
+                requires_grad=value.requires_grad,
+                reshard_after_forward=info.reshard_after_forward,
+            )
+        )
+    graph_name = gm.meta.get("dynamo_compile_id", None) or getattr(gm, "_mfsdp_name", "graph")
+    return Plan(graph_name=str(graph_name), options=options, params=tuple(params))

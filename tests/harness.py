@@ -1,0 +1,160 @@
+"""Test helpers: real multi-rank runs on gloo, the fake process group, one training loop.
+
+``spawn(fn, world, **kwargs)`` runs ``fn(rank, world, **kwargs)`` in ``world`` fresh processes
+joined by gloo on 127.0.0.1 (a free port each time) and returns each rank's return value. A rank
+that raises fails the test with its traceback; a run past ``timeout`` is killed, never left
+hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fsdp_compile.models import Transformer, TransformerConfig, loss_fn, make_batch
+
+STEPS = 5
+LOCAL_BATCH = 2
+SEQ = 16
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank, world, port, out_dir, fn, kwargs):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+        )
+        result = fn(rank, world, **kwargs)
+        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, timeout: float = 600, **kwargs) -> list:
+    """Run ``fn(rank, world, **kwargs)`` on ``world`` gloo ranks; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = free_port()
+        procs = [
+            ctx.Process(target=_child, args=(r, world, port, out_dir, fn, kwargs))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results = []
+        for rank in range(world):
+            path = os.path.join(out_dir, f"{rank}.pt")
+            if not os.path.exists(path):
+                raise AssertionError(f"rank {rank} produced no result (killed or timed out)")
+            record = torch.load(path, weights_only=False)
+            if "error" in record:
+                raise AssertionError(f"rank {rank} failed:\n{record['error']}")
+            results.append(record["ok"])
+        return results
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int, rank: int = 0):
+    """A process group of ``world`` ranks in this process: collectives trace but move no data."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_model(cfg: TransformerConfig, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(cfg)
+
+
+def global_batch(cfg: TransformerConfig, step: int, world: int):
+    """The batch all ranks see together: the reference trains on exactly this."""
+    parts = [make_batch(cfg, LOCAL_BATCH, SEQ, step, r) for r in range(world)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def train(model, forward, batches, *, steps: int = STEPS, lr: float = 1e-2) -> torch.Tensor:
+    """The one training loop: AdamW on ``model``'s parameters, ``forward`` runs each step.
+
+    ``forward`` is the model itself or ``torch.compile(model, ...)``; ``batches(step)`` gives
+    (tokens, targets). Returns this process's per-step losses.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        tokens, targets = batches(step)
+        loss = loss_fn(forward(tokens), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def rank_batches(cfg: TransformerConfig, rank: int):
+    return lambda step: make_batch(cfg, LOCAL_BATCH, SEQ, step, rank)
+
+
+def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """The global mean of per-rank means (equal local batches): comparable to the reference."""
+    values = values.clone()
+    dist.all_reduce(values)
+    return values / dist.get_world_size()
+
+
+def reference(cfg: TransformerConfig, world: int, steps: int = STEPS, seed: int = 0):
+    """Single-process, unsharded run on the global batch: (losses, {name: full parameter})."""
+    model = build_model(cfg, seed)
+    losses = train(model, model, lambda step: global_batch(cfg, step, world), steps=steps)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """Every parameter unsharded (a collective: all ranks call it)."""
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` (2-norm over the whole tensor).
+
+    A norm, not an element-wise maximum: AdamW divides by sqrt(v), so a weight whose gradient
+    is near zero turns last-bit summation-order noise into a visible step; that single element
+    says nothing about parity while a 1e-5 bound on the norm still catches any wrong gradient.
+    """
+    scale = expected.double().norm().clamp_min(1e-30)
+    return float((actual.double() - expected.double()).norm() / scale)
+
+
+def max_param_error(actual: dict, expected: dict) -> tuple[float, str]:
+    assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+    return max((relative_error(actual[n], expected[n]), n) for n in expected)

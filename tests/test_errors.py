@@ -1,0 +1,91 @@
+"""Every user mistake of the foundation gets one clear ValueError before any collective runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_compile
+from fsdp_compile import MfsdpBackend, UsageError, fully_shard
+from fsdp_compile.models import TransformerConfig
+from harness import build_model, fake_process_group
+
+
+def test_fully_shard_twice_on_one_module_is_rejected():
+    with fake_process_group(2):
+        model = fully_shard(nn.Linear(4, 4))
+        with pytest.raises(ValueError, match="already called"):
+            fully_shard(model)
+
+
+def test_submodules_first_then_root_is_accepted_as_units():
+    """FSDP2-style nesting: each call is a unit, tied parameters across units shard once."""
+    with fake_process_group(2):
+        model = build_model(TransformerConfig())
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model.embed)
+        fully_shard(model)
+        units = {fsdp_compile.shard_info(p).unit for p in model.parameters()}
+        assert len(units) == len(model.layers) + 2  # layers, embedding, root (norm, pos)
+        assert model.head._parameters["weight"] is model.embed._parameters["weight"]
+
+
+def test_parameters_on_two_devices_are_rejected():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    with fake_process_group(2):
+        with pytest.raises(ValueError, match="several devices"):
+            fully_shard(model)
+
+
+def test_no_process_group_and_no_mesh_is_rejected():
+    with pytest.raises(ValueError, match="init_process_group"):
+        fully_shard(nn.Linear(4, 4))
+
+
+def test_non_floating_parameter_is_rejected():
+    model = nn.Linear(4, 4)
+    model.steps = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    with fake_process_group(2):
+        with pytest.raises(ValueError, match="register_buffer"):
+            fully_shard(model)
+
+
+def test_unknown_backend_option_is_rejected():
+    with pytest.raises(ValueError, match="unknown mfsdp option"):
+        MfsdpBackend(bucket_sise=1)
+    with fake_process_group(2):
+        model = torch.compile(fully_shard(nn.Linear(4, 4)), backend="mfsdp", options={"bogus": 1})
+        with pytest.raises(ValueError, match="unknown mfsdp option.*bogus"):
+            model(torch.randn(2, 4))
+
+
+def test_compiling_an_unsharded_model_says_to_call_fully_shard():
+    """Decision (docs/design.md): an error, not a silent per-rank replica."""
+    model = torch.compile(nn.Linear(4, 4), backend="mfsdp", options={"compiler": "eager"})
+    with pytest.raises(ValueError, match="fully_shard"):
+        model(torch.randn(2, 4))
+
+
+def test_usage_errors_are_value_errors():
+    assert issubclass(UsageError, ValueError)
+
+
+def test_backend_registered_through_entry_point_without_import():
+    """torch.compile(backend="mfsdp") resolves in a script that never imports fsdp_compile."""
+    script = (
+        "import sys, torch\n"
+        "assert 'fsdp_compile' not in sys.modules\n"
+        "f = torch.compile(lambda x: x.sin() + 1, backend='mfsdp', options={'compiler': 'eager'})\n"
+        "x = torch.randn(3)\n"
+        "torch.testing.assert_close(f(x), x.sin() + 1)\n"
+        "assert 'fsdp_compile' in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -1,0 +1,109 @@
+"""Structure at scale: traced on the fake process group, counted on the partitioned graphs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fsdp_compile import MfsdpBackend, fully_shard, shard_info
+from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.passes import saved_gathered_params
+from fsdp_compile.patterns import ALL_GATHER, count_collectives
+from harness import build_model, fake_process_group
+
+
+def _compile_step(cfg: TransformerConfig, reshard_after_forward: bool):
+    model = fully_shard(build_model(cfg), reshard_after_forward=reshard_after_forward)
+    backend = MfsdpBackend(compiler="eager")
+    tokens, targets = make_batch(cfg, 2, 8, 0)
+    loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
+    (graph,) = backend.graphs
+    return model, graph
+
+
+@pytest.mark.parametrize("world", [8, 64, 1024])
+def test_resharded_forward_saves_no_gathered_param(world):
+    """With reshard_after_forward=True the forward returns no gathered parameter (nor a view
+    of one) for backward; with False it saves them and the backward gathers nothing."""
+    cfg = TransformerConfig(vocab=1031, dim=64, n_heads=4, hidden=172)
+    with fake_process_group(world):
+        _, resharded = _compile_step(cfg, reshard_after_forward=True)
+        torch._dynamo.reset()
+        _, kept = _compile_step(cfg, reshard_after_forward=False)
+    assert saved_gathered_params(resharded.forward) == []
+    assert saved_gathered_params(kept.forward) != []
+    assert count_collectives(kept.backward.graph)["all_gather"] == 0
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_collectives_per_step_match_plan(world):
+    """One all-gather per planned parameter in forward (tied weights once), one reduce-scatter
+    per trainable parameter in backward (frozen ones none), and the backward re-gathers each
+    parameter at most once, covering every parameter the keep-gathered variant saves."""
+    cfg = TransformerConfig()
+    with fake_process_group(world):
+        model, resharded = _compile_step(cfg, reshard_after_forward=True)
+        torch._dynamo.reset()
+        _, kept = _compile_step(cfg, reshard_after_forward=False)
+    plan = resharded.plan
+    unique_params = {id(p) for p in model.parameters()}
+    assert len(plan.params) == len(unique_params)
+    assert len(plan.trainable) == len(plan.params) - 1  # the frozen positional table
+    forward, backward = (count_collectives(g.graph) for g in (resharded.forward, resharded.backward))
+    assert forward == {"all_gather": len(plan.params)}
+    assert backward["reduce_scatter"] == len(plan.trainable)
+    regathered = [
+        plan.param(n.meta["mfsdp_param_id"]).fqn
+        for n in resharded.backward.graph.nodes
+        if n.target == ALL_GATHER
+    ]
+    assert len(regathered) == len(set(regathered)) == backward["all_gather"]
+    saved = {kept.plan.param(i).fqn for i in saved_gathered_params(kept.forward)}
+    assert saved <= set(regathered)
+    assert count_collectives(kept.forward.graph) == {"all_gather": len(plan.params)}
+
+
+def test_collectives_use_the_mesh_group_and_padded_sizes():
+    """Each lowered all-gather runs on the plan's group with this rank's padded piece."""
+    cfg = TransformerConfig()
+    world = 8
+    with fake_process_group(world):
+        _, graph = _compile_step(cfg, reshard_after_forward=True)
+    plan = graph.plan
+    gathers = [n for n in graph.forward.graph.nodes if n.target == ALL_GATHER]
+    for node in gathers:
+        param = plan.param(node.meta["mfsdp_param_id"])
+        shard, group_size, group_name = node.args
+        assert (group_size, group_name) == (world, param.group_name)
+        assert shard.meta["val"].shape[0] == param.padded_rows
+        assert node.meta["val"].shape[0] == param.padded_rows * world
+
+
+def test_parameter_bytes_per_rank_are_a_quarter_plus_padding():
+    """MemTracker at world size 4: parameter bytes after fully_shard <= 1/4 of the unsharded
+    model plus the padding of uneven shards."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    cfg = TransformerConfig()
+    world = 4
+
+    def parameter_bytes(model) -> int:
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            pass
+        snapshot = tracker.get_tracker_snapshot("current")
+        return sum(per_device.get(_MemRefType.PARAM, 0) for per_device in snapshot.values())
+
+    unsharded = parameter_bytes(build_model(cfg))
+    with fake_process_group(world, rank=0):
+        model = fully_shard(build_model(cfg))
+        sharded = parameter_bytes(model)
+    plans = [shard_info(p) for p in model.parameters()]
+    # Rank 0 holds ceil(rows / world) rows of each parameter: at most one row more than even.
+    padding = sum(4 * math.prod(info.global_shape[1:]) for info in plans)
+    assert sharded <= unsharded / world + padding, (sharded, unsharded)
+    assert sharded > 0
+
