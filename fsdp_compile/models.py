@@ -104,6 +104,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.head.weight = self.embed.weight
+        # Tied with the head: unit-variance rows would start with logits of size sqrt(dim).
+        nn.init.normal_(self.embed.weight, std=cfg.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
