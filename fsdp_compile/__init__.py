@@ -4,7 +4,7 @@
 places the all-gathers and reduce-scatters on the traced graph.
 """
 
-from fsdp_compile.api import fully_shard, is_fully_sharded, shard_info
+from fsdp_compile.api import MixedPrecision, fully_shard, is_fully_sharded, shard_info
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend, _register, mfsdp_backend
 from fsdp_compile.errors import UsageError
 from fsdp_compile.plan import BackendOptions, Plan
@@ -13,6 +13,7 @@ _register()
 
 __all__ = [
     "fully_shard",
+    "MixedPrecision",
     "is_fully_sharded",
     "shard_info",
     "mfsdp_backend",

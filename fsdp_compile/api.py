@@ -26,7 +26,50 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from fsdp_compile.errors import UsageError
 from fsdp_compile.ops import unshard
 
-__all__ = ["fully_shard", "ShardInfo", "shard_info", "is_fully_sharded"]
+__all__ = ["fully_shard", "MixedPrecision", "ShardInfo", "shard_info", "is_fully_sharded"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    """Compute and communication dtypes (FSDP2's ``MixedPrecisionPolicy``, same names).
+
+    The stored parameters, the optimizer's view and ``.grad`` keep the parameters' own dtype
+    (fp32 main weights). Shards are cast to ``param_dtype`` before the all-gather (the wire
+    carries ``param_dtype``), and gradients are reduced in ``reduce_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    """Dtype of gathered parameters and of the compute; None keeps the stored dtype."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype of the gradient reduce-scatter; None means ``param_dtype`` (as FSDP2)."""
+    allow_lower_precision_reduce: bool = False
+    """Opt in to ``reduce_dtype`` narrower than ``param_dtype`` (gradients lose precision)."""
+
+    def __post_init__(self) -> None:
+        for field_name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, field_name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise UsageError(
+                    f"MixedPrecision.{field_name} must be a floating torch.dtype such as "
+                    f"torch.bfloat16, got {dtype!r}."
+                )
+        narrower = (
+            self.param_dtype is not None
+            and self.reduce_dtype is not None
+            and torch.finfo(self.reduce_dtype).bits < torch.finfo(self.param_dtype).bits
+        )
+        if narrower and not self.allow_lower_precision_reduce:
+            raise UsageError(
+                f"reduce_dtype={self.reduce_dtype} is narrower than param_dtype="
+                f"{self.param_dtype}: gradients would be summed in less precision than the "
+                "compute. Use reduce_dtype=torch.float32, or pass "
+                "allow_lower_precision_reduce=True if that is intended."
+            )
+
+    def resolve(self, stored: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(param_dtype, reduce_dtype) for a parameter stored as ``stored``."""
+        param_dtype = self.param_dtype or stored
+        return param_dtype, self.reduce_dtype or param_dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +90,10 @@ class ShardInfo:
     """Ranks in that group."""
     reshard_after_forward: bool
     """Free the gathered parameter after forward and gather again in backward."""
+    param_dtype: torch.dtype
+    """Dtype on the wire and in the compute."""
+    reduce_dtype: torch.dtype
+    """Dtype of the gradient reduction."""
 
 
 def shard_info(param: object) -> ShardInfo | None:
@@ -116,7 +163,14 @@ _param_ids = itertools.count()
 
 def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
     shard = self._parameters[name].to_local()
-    return unshard(shard, info.global_shape[0], info.group_name, info.param_id)
+    return unshard(
+        shard,
+        info.global_shape[0],
+        info.group_name,
+        info.param_id,
+        info.param_dtype,
+        info.reduce_dtype,
+    )
 
 
 # Inside a compiled frame Dynamo inlines the getter, and the marker's sizes are constants of
@@ -145,15 +199,22 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
+    mp_policy: MixedPrecision | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` not yet sharded on dim 0 over ``mesh`` (ZeRO-3).
 
     Call it on submodules first (each call is a unit, a bucketing hint), then on the root.
     Parameters become ``Shard(0)`` DTensors holding this rank's rows; buffers stay replicated.
     Reads of a sharded attribute return the full tensor, gathered; its gradient is averaged over
-    the mesh and lands as this rank's ``Shard(0)`` DTensor ``.grad``. Returns ``module``.
+    the mesh and lands as this rank's ``Shard(0)`` DTensor ``.grad``. ``mp_policy`` sets the
+    dtypes of the gather and of the gradient reduction. Returns ``module``.
     """
     _check_module(module, mesh)
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
+        raise UsageError(
+            f"mp_policy must be fsdp_compile.MixedPrecision, got {type(mp_policy).__name__}."
+        )
+    mp_policy = mp_policy or MixedPrecision()
     mesh = mesh if mesh is not None else _default_mesh(module)
     group_name = mesh.get_group().group_name
     unit = f"{type(module).__name__}@{id(module):x}"
@@ -173,6 +234,7 @@ def fully_shard(
             group_name=group_name,
             world=mesh.size(),
             reshard_after_forward=reshard_after_forward,
+            **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(param.dtype))),
         )
         # Each rank already holds the full tensor, so cut locally (src_data_rank=None):
         # no broadcast runs and ranks must have been seeded alike, as with FSDP2.

@@ -42,48 +42,78 @@ def pad_rows(tensor: Tensor, rows: int) -> Tensor:
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
-def unshard(shard: Tensor, global_rows: int, group_name: str, param_id: int) -> Tensor:
-    """All-gather a dim-0 shard into the full parameter of ``global_rows`` rows."""
+def unshard(
+    shard: Tensor,
+    global_rows: int,
+    group_name: str,
+    param_id: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+) -> Tensor:
+    """Cast a dim-0 shard to ``param_dtype`` and all-gather it into ``global_rows`` rows.
+
+    The cast comes first so the wire carries ``param_dtype`` (bf16 under mixed precision);
+    ``reduce_dtype`` is only for the backward, which reduces the gradient in it.
+    """
     group = _resolve_process_group(group_name)
     world = group.size()
     rows = padded_rows(global_rows, world)
-    gathered = shard.new_empty((rows * world, *shard.shape[1:]))
-    dist.all_gather_single(gathered, pad_rows(shard, rows).contiguous(), group=group)
+    piece = pad_rows(shard.to(param_dtype), rows).contiguous()
+    gathered = piece.new_empty((rows * world, *shard.shape[1:]))
+    dist.all_gather_single(gathered, piece, group=group)
     return gathered[:global_rows]
 
 
 @unshard.register_fake
-def _(shard: Tensor, global_rows: int, group_name: str, param_id: int) -> Tensor:
-    return shard.new_empty((global_rows, *shard.shape[1:]))
+def _(shard, global_rows, group_name, param_id, param_dtype, reduce_dtype) -> Tensor:
+    return shard.new_empty((global_rows, *shard.shape[1:]), dtype=param_dtype)
 
 
 @torch.library.custom_op("fsdp_compile::reduce_grad", mutates_args=())
-def reduce_grad(full_grad: Tensor, shard_rows: int, group_name: str, param_id: int) -> Tensor:
-    """Reduce-scatter a full gradient and average it over the group: this rank's shard."""
+def reduce_grad(
+    full_grad: Tensor,
+    shard_rows: int,
+    group_name: str,
+    param_id: int,
+    reduce_dtype: torch.dtype,
+    shard_dtype: torch.dtype,
+) -> Tensor:
+    """Reduce-scatter a full gradient in ``reduce_dtype`` and average it over the group.
+
+    Returns this rank's rows in ``shard_dtype`` (the stored parameter's dtype), so under mixed
+    precision an fp32 reduction lands as an fp32 ``.grad`` without a detour through bf16.
+    """
     group = _resolve_process_group(group_name)
     world = group.size()
     rows = padded_rows(full_grad.shape[0], world)
-    shard = full_grad.new_empty((rows, *full_grad.shape[1:]))
+    grad = pad_rows(full_grad.to(reduce_dtype), rows * world).contiguous()
+    shard = grad.new_empty((rows, *full_grad.shape[1:]))
     # SUM then divide: gloo has no AVG reduce op, and one code path keeps ranks bitwise alike.
-    dist.reduce_scatter_single(shard, pad_rows(full_grad, rows * world).contiguous(), group=group)
-    return shard[:shard_rows].div_(world)
+    dist.reduce_scatter_single(shard, grad, group=group)
+    return shard[:shard_rows].div_(world).to(shard_dtype)
 
 
 @reduce_grad.register_fake
-def _(full_grad: Tensor, shard_rows: int, group_name: str, param_id: int) -> Tensor:
-    return full_grad.new_empty((shard_rows, *full_grad.shape[1:]))
+def _(full_grad, shard_rows, group_name, param_id, reduce_dtype, shard_dtype) -> Tensor:
+    return full_grad.new_empty((shard_rows, *full_grad.shape[1:]), dtype=shard_dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _global_rows, group_name, param_id = inputs
+    shard, _global_rows, ctx.group_name, ctx.param_id, _param_dtype, ctx.reduce_dtype = inputs
     ctx.shard_rows = shard.shape[0]
-    ctx.group_name = group_name
-    ctx.param_id = param_id
+    ctx.shard_dtype = shard.dtype
 
 
 def _unshard_backward(ctx, grad: Tensor):
-    reduced = reduce_grad(grad.contiguous(), ctx.shard_rows, ctx.group_name, ctx.param_id)
-    return reduced, None, None, None
+    reduced = reduce_grad(
+        grad.contiguous(),
+        ctx.shard_rows,
+        ctx.group_name,
+        ctx.param_id,
+        ctx.reduce_dtype,
+        ctx.shard_dtype,
+    )
+    return reduced, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -56,7 +56,11 @@ class ParamPlan:
     shard_rows: int
     """Rows this rank holds (dim 0); may be 0 when dim 0 is smaller than the world."""
     dtype: str
-    """Storage dtype, also the dtype on the wire."""
+    """Storage dtype: of the shard, the optimizer state and ``.grad``."""
+    param_dtype: str
+    """Dtype on the wire and in the compute (mixed precision)."""
+    reduce_dtype: str
+    """Dtype of the gradient reduce-scatter."""
     group_name: str
     """Process group of its all-gather and reduce-scatter."""
     world: int
@@ -75,7 +79,7 @@ class ParamPlan:
         numel = self.padded_rows * self.world
         for size in self.global_shape[1:]:
             numel *= size
-        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return numel * torch.empty((), dtype=getattr(torch, self.param_dtype)).element_size()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +105,10 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _source_name(node: fx.Node) -> str:
@@ -134,7 +142,9 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
                 unit=info.unit,
                 global_shape=info.global_shape,
                 shard_rows=local.shape[0],
-                dtype=str(local.dtype).removeprefix("torch."),
+                dtype=_dtype_name(local.dtype),
+                param_dtype=_dtype_name(info.param_dtype),
+                reduce_dtype=_dtype_name(info.reduce_dtype),
                 group_name=info.group_name,
                 world=info.world,
                 requires_grad=value.requires_grad,

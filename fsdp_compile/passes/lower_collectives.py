@@ -35,8 +35,16 @@ def _first_rows(graph: fx.Graph, node: fx.Node, rows: int) -> fx.Node:
     return call(graph, aten.slice.Tensor, node, 0, 0, rows)
 
 
+def _cast(graph: fx.Graph, node: fx.Node, dtype_name: str) -> fx.Node:
+    dtype = getattr(torch, dtype_name)
+    if node.meta["val"].dtype == dtype:
+        return node
+    return call(graph, torch.ops.prims.convert_element_type.default, node, dtype)
+
+
 def _lower_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
-    shard = marker.args[0]
+    # Cast before padding and gathering: the wire carries param_dtype.
+    shard = _cast(graph, marker.args[0], param.param_dtype)
     padded = _pad_rows(graph, shard, param.padded_rows)
     gathered = call(graph, ALL_GATHER, padded, param.world, param.group_name)
     waited = call(graph, WAIT, gathered)
@@ -44,18 +52,20 @@ def _lower_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Nod
 
 
 def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
-    grad = marker.args[0]
+    grad = _cast(graph, marker.args[0], param.reduce_dtype)
     padded = _pad_rows(graph, grad, param.padded_rows * param.world)
     # SUM then divide, as the eager marker does (gloo has no AVG): see fsdp_compile/ops.py.
     scattered = call(graph, REDUCE_SCATTER, padded, "sum", param.world, param.group_name)
     waited = call(graph, WAIT, scattered)
-    return call(graph, aten.div.Tensor, _first_rows(graph, waited, param.shard_rows), param.world)
+    averaged = call(graph, aten.div.Tensor, _first_rows(graph, waited, param.shard_rows), param.world)
+    return _cast(graph, averaged, param.dtype)
 
 
 def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Afterwards no marker is left: each ``unshard`` is a pad/all_gather/wait/slice chain and
-    each ``reduce_grad`` a pad/reduce_scatter/wait/slice/div chain on the parameter's group,
-    sizes and world taken from the plan. Numerics match the eager markers bit for bit.
+    """Afterwards no marker is left: each ``unshard`` is a cast/pad/all_gather/wait/slice chain
+    and each ``reduce_grad`` a cast/pad/reduce_scatter/wait/slice/div/cast chain on the
+    parameter's group, sizes, world and dtypes taken from the plan (casts and pads only where
+    needed). Numerics match the eager markers.
     """
     for marker in list(gm.graph.nodes):
         if not is_marker(marker):

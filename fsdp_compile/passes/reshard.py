@@ -22,7 +22,7 @@ class GatherChain:
 
     param_id: int
     gather: tuple[fx.Node, ...]
-    """[pad], all_gather, wait, [slice]: the last one is the gathered parameter."""
+    """[cast], [pad], all_gather, wait, [slice]: the last one is the gathered parameter."""
     views: tuple[fx.Node, ...]
     """Views of the gathered parameter (t, view, expand, ...): saving one saves its storage."""
 
@@ -34,7 +34,9 @@ def gather_chains(gm: fx.GraphModule) -> list[GatherChain]:
         param_id = node.meta.get("mfsdp_param_id")
         if not is_all_gather(node) or param_id is None:
             continue
-        gather = [node] if node.args[0].op == "placeholder" else [node.args[0], node]
+        gather = [node]
+        while gather[0].args[0].meta.get("mfsdp_param_id") == param_id:  # the cast and the pad
+            gather.insert(0, gather[0].args[0])
         (wait,) = (u for u in node.users if is_wait(u))
         gather.append(wait)
         slices = [u for u in wait.users if u.meta.get("mfsdp_param_id") == param_id]
