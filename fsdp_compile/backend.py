@@ -59,8 +59,22 @@ def _package_files(package) -> list[str]:
     return sorted(str(p) for p in Path(package.__file__).parent.rglob("*.py"))
 
 
-def _eager_compiler(gm: fx.GraphModule, example_inputs: Sequence[object]):
+def _run_graph(gm: fx.GraphModule, example_inputs: Sequence[object], **_: Any):
+    """The eager FX runner: the rewritten graph's generated Python, boxed for AOTAutograd."""
     return make_boxed_func(gm.forward)
+
+
+def _with_partitioned_passes(compile_graph, plan: Plan):
+    """Wrap a graph compiler so the "partitioned" stage runs on every graph it receives:
+    forward and backward after partitioning, and the single graph of inference calls
+    (which AOTAutograd compiles without a partitioner)."""
+    pipeline = build_pipeline(plan)
+
+    def compile_with_passes(gm: fx.GraphModule, example_inputs: Sequence[object], **kwargs: Any):
+        gm = run_passes(gm, plan, pipeline, "partitioned")
+        return compile_graph(gm, example_inputs, **kwargs)
+
+    return compile_with_passes
 
 
 @dataclass
@@ -99,13 +113,17 @@ class MfsdpBackend:
         partitioner = MfsdpPartitioner(plan)
         self.graphs.append(CompiledGraph(plan, gm, partitioner))
         if self.options.compiler == "eager":
-            compiled = aot_autograd(
-                fw_compiler=_eager_compiler, bw_compiler=_eager_compiler, partition_fn=partitioner
-            )
+            run = _with_partitioned_passes(_run_graph, plan)
+            compiled = aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partitioner)
             return compiled(gm, example_inputs)
-        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+        return compile_fx(
+            gm,
+            example_inputs,
+            inner_compile=_with_partitioned_passes(compile_fx_inner, plan),
+            config_patches={"custom_partitioner_fn": partitioner},
+        )
 
 
 def mfsdp_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None):

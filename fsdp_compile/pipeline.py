@@ -9,10 +9,13 @@ from typing import Callable, Literal
 from torch import fx
 
 from fsdp_compile import passes
+from fsdp_compile.errors import UsageError
 from fsdp_compile.patterns import count_collectives
 from fsdp_compile.plan import Plan
 
-Stage = Literal["dynamo", "joint"]
+Stage = Literal["dynamo", "joint", "partitioned"]
+"""Where a pass runs: Dynamo's graph, AOTAutograd's joint graph, or each of the partitioned
+forward and backward graphs."""
 GraphPass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 Check = Callable[[fx.GraphModule, Plan], None]
 
@@ -22,16 +25,20 @@ class Pass:
     name: str
     stage: Stage
     run: GraphPass
-    check: Check
+    check: Check | None = None
+    """The pass's postcondition, run after it; None when the pass only inspects."""
 
 
 def build_pipeline(plan: Plan) -> list[Pass]:
     """The passes for ``plan``'s graph, in order; each stage runs where its graph exists."""
-    return [
+    pipeline = [
         Pass("dedupe_unshards", "dynamo", passes.dedupe_unshards, passes.check_dedupe_unshards),
         Pass("lower_collectives", "joint", passes.lower_collectives, passes.check_lower_collectives),
         Pass("reshard", "joint", passes.reshard, passes.check_reshard),
     ]
+    if plan.options.cuda_graph:
+        pipeline.append(Pass("check_cuda_graph", "partitioned", passes.check_cuda_graph))
+    return pipeline
 
 
 class PassFailed(RuntimeError):
@@ -51,7 +58,10 @@ def run_passes(
         start = time.perf_counter()
         try:
             gm = p.run(gm, plan)
-            p.check(gm, plan)
+            if p.check is not None:
+                p.check(gm, plan)
+        except UsageError:
+            raise  # the user's to fix, and the message already says how
         except Exception as error:
             raise PassFailed(f"pass {p.name!r} failed on graph {plan.graph_name}: {error}") from error
         record.append(

@@ -23,6 +23,8 @@ class BackendOptions:
 
     compiler: Compiler = "inductor"
     """"inductor" generates kernels; "eager" runs the rewritten FX graphs as Python (debugging, CPU tests)."""
+    cuda_graph: bool = False
+    """Refuse, at compile time, anything a CUDA graph cannot capture (see docs/cuda_graphs.md)."""
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -37,6 +39,10 @@ class BackendOptions:
         if compiler not in ("inductor", "eager"):
             raise CompileUsageError(
                 f"options['compiler'] must be 'inductor' or 'eager', got {compiler!r}."
+            )
+        if not isinstance(options.get("cuda_graph", False), bool):
+            raise CompileUsageError(
+                f"options['cuda_graph'] must be True or False, got {options['cuda_graph']!r}."
             )
         return cls(**options)
 

@@ -1,0 +1,109 @@
+"""options={"cuda_graph": True}: everything a CUDA graph cannot capture is refused at compile
+time with the node, the user's source line and the fix; the test transformer passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.passes import CudaGraphIncompatible, check_cuda_graph
+from harness import build_model, fake_process_group
+
+aten = torch.ops.aten
+
+
+def _compile_and_run(fn, *inputs, dynamic=False):
+    backend = MfsdpBackend(compiler="eager", cuda_graph=True)
+    return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)(*inputs)
+
+
+def _reads_item(x):
+    return x * (x > 0).sum().item()
+
+
+def _reads_tolist(x):
+    return x * (x > 0).sum().tolist()
+
+
+def _boolean_mask(x):
+    return x[x > 0].sum() * x
+
+
+@pytest.mark.parametrize(
+    "fn, message, source",
+    [
+        (_reads_item, r"\.item\(\)", "(x > 0).sum().item()"),
+        (_reads_tolist, r"\.tolist\(\)", "(x > 0).sum().tolist()"),
+        (_boolean_mask, "data-dependent size|sizes its output from tensor data", "x[x > 0]"),
+    ],
+    ids=["item", "tolist", "nonzero"],
+)
+def test_host_syncs_are_refused_with_node_and_source_line(fn, message, source):
+    x = torch.randn(8, requires_grad=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        with pytest.raises(CudaGraphIncompatible, match=message) as error:
+            _compile_and_run(fn, x)
+    assert "test_cuda_graph_check.py" in str(error.value)
+    assert source in str(error.value)
+    assert "Fix:" in str(error.value)
+
+
+def test_dynamic_shapes_are_refused():
+    with pytest.raises(CudaGraphIncompatible, match="dynamic-shape input.*dynamic=False"):
+        _compile_and_run(lambda x: (x * 2).sum(), torch.randn(8, requires_grad=True), dynamic=True)
+
+
+def _graph_with(target, args_vals, out_val, *, trace: str) -> fx.GraphModule:
+    """A hand-built graph: placeholders from ``args_vals`` (fake tensors), one call, output."""
+    graph = fx.Graph()
+    args = []
+    for i, val in enumerate(args_vals):
+        node = graph.placeholder(f"x{i}")
+        node.meta["val"] = val
+        args.append(node)
+    call = graph.call_function(target, tuple(args) + (() if args else ([4],)))
+    call.meta["val"] = out_val
+    call.meta["stack_trace"] = trace
+    graph.output((call,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+TRACE = '  File "/src/model.py", line 42, in forward\n    buf = torch.zeros(4)\n'
+
+
+def test_cpu_tensor_created_in_a_cuda_step_is_refused():
+    with FakeTensorMode():
+        weight = torch.empty(4, device="cuda")
+        host = torch.empty(4)
+    gm = _graph_with(aten.add.Tensor, [weight], host, trace=TRACE)
+    with pytest.raises(CudaGraphIncompatible, match=r"creates a CPU tensor inside a cuda:0 step.*model.py, line 42.*torch.zeros\(4\)"):
+        check_cuda_graph(gm, plan=None)
+
+
+def test_host_side_storage_resize_is_refused():
+    with FakeTensorMode():
+        weight = torch.empty(4, device="cuda")
+    gm = _graph_with(aten.resize_.default, [weight], weight, trace=TRACE)
+    with pytest.raises(CudaGraphIncompatible, match="resizes a tensor's storage"):
+        check_cuda_graph(gm, plan=None)
+
+
+def test_cpu_tensors_in_a_cpu_step_are_fine():
+    with FakeTensorMode():
+        host = torch.empty(4)
+    check_cuda_graph(_graph_with(aten.add.Tensor, [host], host, trace=TRACE), plan=None)
+
+
+def test_sharded_transformer_passes_the_check():
+    """The collectives the backend inserts need no host sync, CPU tensor or resize."""
+    cfg = TransformerConfig()
+    with fake_process_group(8):
+        model = fully_shard(build_model(cfg))
+        backend = MfsdpBackend(compiler="eager", cuda_graph=True)
+        tokens, targets = make_batch(cfg, 2, 8, 0)
+        loss_fn(torch.compile(model, backend=backend, dynamic=False)(tokens), targets).backward()
+    assert len(backend.graphs) == 1
