@@ -5,6 +5,7 @@ places the all-gathers and reduce-scatters on the traced graph.
 """
 
 from fsdp_compile.api import MixedPrecision, fully_shard, is_fully_sharded, shard_info
+from fsdp_compile.capture import CapturedStep, capture_step
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend, _register, mfsdp_backend
 from fsdp_compile.errors import UsageError
 from fsdp_compile.plan import BackendOptions, Plan
@@ -17,6 +18,8 @@ __all__ = [
     "is_fully_sharded",
     "shard_info",
     "mfsdp_backend",
+    "capture_step",
+    "CapturedStep",
     "MfsdpBackend",
     "CompiledGraph",
     "BackendOptions",

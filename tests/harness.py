@@ -32,11 +32,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(rank, world, port, out_dir, fn, kwargs):
+def _child(rank, world, port, out_dir, fn, kwargs, backend):
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
@@ -52,13 +54,13 @@ def _child(rank, world, port, out_dir, fn, kwargs):
             dist.destroy_process_group()
 
 
-def spawn(fn, world: int, timeout: float = 600, **kwargs) -> list:
-    """Run ``fn(rank, world, **kwargs)`` on ``world`` gloo ranks; return each rank's result."""
+def spawn(fn, world: int, timeout: float = 600, backend: str = "gloo", **kwargs) -> list:
+    """Run ``fn(rank, world, **kwargs)`` on ``world`` ranks; return each rank's result."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         procs = [
-            ctx.Process(target=_child, args=(r, world, port, out_dir, fn, kwargs))
+            ctx.Process(target=_child, args=(r, world, port, out_dir, fn, kwargs, backend))
             for r in range(world)
         ]
         for p in procs:
