@@ -162,15 +162,20 @@ _param_ids = itertools.count()
 
 
 def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
-    shard = self._parameters[name].to_local()
-    return unshard(
-        shard,
-        info.global_shape[0],
-        info.group_name,
-        info.param_id,
-        info.param_dtype,
-        info.reduce_dtype,
-    )
+    try:
+        shard = self._parameters[name].to_local()
+        return unshard(
+            shard,
+            info.global_shape[0],
+            info.group_name,
+            info.param_id,
+            info.param_dtype,
+            info.reduce_dtype,
+        )
+    except AttributeError as error:
+        # An AttributeError escaping a property makes Python fall back to
+        # nn.Module.__getattr__, which would silently hand the *shard* to the caller.
+        raise RuntimeError(f"gathering {type(self).__name__}.{name} failed: {error}") from error
 
 
 # Inside a compiled frame Dynamo inlines the getter, and the marker's sizes are constants of

@@ -3,11 +3,14 @@
 Attention with causal SDPA, RMSNorm, a SwiGLU MLP whose up-projection is a raw ``Parameter``
 consumed inside a custom ``autograd.Function`` (a stand-in for a fused kernel that no module
 hook would see), an embedding tied to the output head, a frozen positional table, per-head
-temperatures (a parameter with fewer rows than ranks) and sizes not divisible by 4.
+temperatures (a parameter with fewer rows than ranks) and sizes not divisible by 4. With
+``n_experts`` > 0 the MLPs are mixtures of experts (static capacity), in a ModuleList or as
+fused 3-D weights read by a batched-matmul ``autograd.Function``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +30,13 @@ class TransformerConfig:
     max_seq: int = 32
     graph_break_after: int | None = None
     """Insert ``torch._dynamo.graph_break()`` after this block (tests graph breaks)."""
+    n_experts: int = 0
+    """0: dense SwiGLU MLPs; otherwise each block's MLP is a mixture of this many experts."""
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    """Expert capacity = ceil(capacity_factor * tokens * top_k / n_experts); overflow is dropped."""
+    fused_experts: bool = True
+    """Experts as 3-D weights in one batched-matmul Function (True) or a ModuleList (False)."""
 
 
 class FusedLinear(torch.autograd.Function):
@@ -81,13 +91,91 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * FusedLinear.apply(x, self.up))
 
 
+class GroupedExpertMLP(torch.autograd.Function):
+    """``silu(x @ w_in^T) @ w_out^T`` per expert, batched over experts, hand-written backward.
+
+    Reads the raw 3-D weights (``[experts, hidden, dim]``, ``[experts, dim, hidden]``) the way a
+    fused grouped-GEMM kernel does: no module call, so no module hook would ever see them.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+        pre = torch.bmm(x, w_in.transpose(1, 2))
+        act = F.silu(pre)
+        ctx.save_for_backward(x, w_in, w_out, pre)
+        return torch.bmm(act, w_out.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w_in, w_out, pre = ctx.saved_tensors
+        sig = torch.sigmoid(pre)
+        act = pre * sig
+        grad_act = torch.bmm(grad, w_out)
+        grad_w_out = torch.bmm(grad.transpose(1, 2), act)
+        grad_pre = grad_act * sig * (1 + pre * (1 - sig))
+        return torch.bmm(grad_pre, w_in), torch.bmm(grad_pre.transpose(1, 2), x), grad_w_out
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.w_in = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w_out = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_out(F.silu(self.w_in(x)))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts with a static capacity (GShard-style dispatch, token dropping).
+
+    Every shape is fixed by (tokens, experts, capacity): no ``nonzero``, no host sync, so the
+    layer compiles into one graph and can be captured in a CUDA graph.
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        if cfg.fused_experts:
+            scale_in, scale_out = cfg.dim**-0.5, cfg.hidden**-0.5
+            self.w_in = nn.Parameter(torch.randn(cfg.n_experts, cfg.hidden, cfg.dim) * scale_in)
+            self.w_out = nn.Parameter(torch.randn(cfg.n_experts, cfg.dim, cfg.hidden) * scale_out)
+        else:
+            self.experts = nn.ModuleList(ExpertMLP(cfg) for _ in range(cfg.n_experts))
+
+    def capacity(self, tokens: int) -> int:
+        cfg = self.cfg
+        return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        cfg, capacity = self.cfg, self.capacity(x.shape[0])
+        gates, experts = self.router(x).softmax(-1).topk(cfg.top_k, dim=-1)  # [T, k]
+        # Comparisons against aranges, not F.one_hot: one_hot checks its input on the host.
+        chosen = (experts.unsqueeze(-1) == torch.arange(cfg.n_experts, device=x.device)).to(x.dtype)
+        # Slot of each (token, choice) in its expert's buffer, in token order; a slot beyond
+        # the capacity matches no column, which drops that choice.
+        slot = chosen.flatten(0, 1).cumsum(0).view_as(chosen) - 1  # [T, k, E]
+        in_capacity = slot.unsqueeze(-1) == torch.arange(capacity, device=x.device)
+        dispatch = chosen.unsqueeze(-1) * in_capacity.to(x.dtype)  # [T, k, E, C]
+        expert_in = torch.einsum("tkec,td->ecd", dispatch, x)
+        if cfg.fused_experts:
+            expert_out = GroupedExpertMLP.apply(expert_in, self.w_in, self.w_out)
+        else:
+            expert_out = torch.stack([e(expert_in[i]) for i, e in enumerate(self.experts)])
+        out = torch.einsum("tkec,ecd,tk->td", dispatch, expert_out, gates)
+        return out.reshape(shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))

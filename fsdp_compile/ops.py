@@ -21,6 +21,12 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 __all__ = ["unshard", "reduce_grad", "padded_rows", "local_rows"]
 
 
+# torch 2.13 names these *_single and deprecates the *_tensor spellings; older torch (the
+# GPU images we benchmark on) only has the latter.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def padded_rows(global_rows: int, world: int) -> int:
     """Rows of one rank's piece on the wire (ceil division, as ``torch.chunk``)."""
     return -(-global_rows // world)
@@ -60,7 +66,7 @@ def unshard(
     rows = padded_rows(global_rows, world)
     piece = pad_rows(shard.to(param_dtype), rows).contiguous()
     gathered = piece.new_empty((rows * world, *shard.shape[1:]))
-    dist.all_gather_single(gathered, piece, group=group)
+    _all_gather(gathered, piece, group=group)
     return gathered[:global_rows]
 
 
@@ -89,7 +95,7 @@ def reduce_grad(
     grad = pad_rows(full_grad.to(reduce_dtype), rows * world).contiguous()
     shard = grad.new_empty((rows, *full_grad.shape[1:]))
     # SUM then divide: gloo has no AVG reduce op, and one code path keeps ranks bitwise alike.
-    dist.reduce_scatter_single(shard, grad, group=group)
+    _reduce_scatter(shard, grad, group=group)
     return shard[:shard_rows].div_(world).to(shard_dtype)
 
 

@@ -27,9 +27,8 @@ def test_capture_step_needs_a_warmup():
         capture_step(lambda x: x, torch.zeros(1), warmup_steps=0)
 
 
-def _train_losses(rank, world, *, mp: bool, captured: bool):
+def _train_losses(rank, world, *, cfg: TransformerConfig, mp: bool, captured: bool):
     """Five steps of the compiled step, either called directly or captured and replayed."""
-    cfg = TransformerConfig()
     device = torch.device("cuda", rank)
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
     model = fully_shard(build_model(cfg).to(device), mp_policy=policy)
@@ -53,10 +52,18 @@ def _train_losses(rank, world, *, mp: bool, captured: bool):
 
 
 @needs_cuda
-@pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
-def test_replayed_step_matches_uncaptured_compiled_step(mp):
+@pytest.mark.parametrize(
+    "cfg, mp",
+    [
+        (TransformerConfig(), False),
+        (TransformerConfig(), True),
+        (TransformerConfig(n_layers=2, n_experts=4, capacity_factor=1.0), False),
+    ],
+    ids=["fp32", "bf16", "moe-static-capacity"],
+)
+def test_replayed_step_matches_uncaptured_compiled_step(cfg, mp):
     """Bitwise: replay runs the very kernels the uncaptured compiled step runs, on the same
     inputs, so the loss sequence is identical (warm-up step included)."""
-    (eager,) = spawn(_train_losses, 1, backend="nccl", mp=mp, captured=False)
-    (replayed,) = spawn(_train_losses, 1, backend="nccl", mp=mp, captured=True)
+    (eager,) = spawn(_train_losses, 1, backend="nccl", cfg=cfg, mp=mp, captured=False)
+    (replayed,) = spawn(_train_losses, 1, backend="nccl", cfg=cfg, mp=mp, captured=True)
     assert torch.equal(torch.stack(replayed), torch.stack(eager)), (replayed, eager)

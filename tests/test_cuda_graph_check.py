@@ -107,3 +107,15 @@ def test_sharded_transformer_passes_the_check():
         tokens, targets = make_batch(cfg, 2, 8, 0)
         loss_fn(torch.compile(model, backend=backend, dynamic=False)(tokens), targets).backward()
     assert len(backend.graphs) == 1
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
+def test_static_capacity_moe_passes_the_check(fused):
+    """Static-capacity routing needs no nonzero and no host sync: capturable as is."""
+    cfg = TransformerConfig(n_layers=2, n_experts=4, top_k=2, fused_experts=fused)
+    with fake_process_group(8):
+        model = fully_shard(build_model(cfg))
+        backend = MfsdpBackend(compiler="eager", cuda_graph=True)
+        tokens, targets = make_batch(cfg, 2, 8, 0)
+        loss_fn(torch.compile(model, backend=backend, dynamic=False)(tokens), targets).backward()
+    assert len(backend.graphs) == 1

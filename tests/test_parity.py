@@ -124,3 +124,12 @@ def test_grad_is_this_ranks_shard_of_the_averaged_gradient(mode):
     for errors in spawn(_grad_shards, 4, cfg=cfg, mode=mode):
         worst = max(errors.values())
         assert worst < TOLERANCE, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
+def test_moe_trains_to_parity(fused):
+    """MoE blocks (no token dropped: capacity covers every choice, so routing is per token
+    and the global-batch reference routes identically), both expert forms."""
+    cfg = TransformerConfig(n_layers=2, n_experts=4, top_k=2, capacity_factor=2.0, fused_experts=fused)
+    results = spawn(_run_modes, 2, cfg=cfg, modes=("none", "eager"), reshard_after_forward=True)
+    _assert_parity(results)
