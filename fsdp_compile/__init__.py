@@ -8,6 +8,8 @@ from fsdp_compile.api import MixedPrecision, fully_shard, is_fully_sharded, shar
 from fsdp_compile.capture import CapturedStep, capture_step
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend, _register, mfsdp_backend
 from fsdp_compile.errors import UsageError
+from fsdp_compile.explain import Explanation, explain
+from fsdp_compile.schedule import Hardware
 from fsdp_compile.plan import BackendOptions, Plan
 
 _register()
@@ -25,4 +27,7 @@ __all__ = [
     "BackendOptions",
     "Plan",
     "UsageError",
+    "explain",
+    "Explanation",
+    "Hardware",
 ]

@@ -16,6 +16,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
+from fsdp_compile.debug import GraphDumper, debug_dir, dump_frames
 from fsdp_compile.pipeline import build_pipeline, run_passes
 from fsdp_compile.plan import BackendOptions, Plan, build_plan
 
@@ -30,8 +31,9 @@ class MfsdpPartitioner(CustomPartitionerFn):
     same rewritten graph.
     """
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, dumper: GraphDumper | None = None) -> None:
         self.plan = plan
+        self.dumper = dumper
         self.pipeline = build_pipeline(plan)
         self.joint: fx.GraphModule | None = None
         self.partitioned: tuple[fx.GraphModule, fx.GraphModule] | None = None
@@ -39,7 +41,10 @@ class MfsdpPartitioner(CustomPartitionerFn):
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        gm = run_passes(gm, self.plan, self.pipeline, "joint")
+        dump = self.dumper.graph if self.dumper else None
+        if dump:
+            dump("joint", gm)
+        gm = run_passes(gm, self.plan, self.pipeline, "joint", dump)
         self.joint = gm
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         fw.meta["mfsdp_plan"] = bw.meta["mfsdp_plan"] = self.plan
@@ -64,14 +69,21 @@ def _run_graph(gm: fx.GraphModule, example_inputs: Sequence[object], **_: Any):
     return make_boxed_func(gm.forward)
 
 
-def _with_partitioned_passes(compile_graph, plan: Plan):
+def _with_partitioned_passes(compile_graph, plan: Plan, dumper: GraphDumper | None, role=None):
     """Wrap a graph compiler so the "partitioned" stage runs on every graph it receives:
     forward and backward after partitioning, and the single graph of inference calls
-    (which AOTAutograd compiles without a partitioner)."""
+    (which AOTAutograd compiles without a partitioner). ``role`` names the graph for dumps;
+    None reads it from Inductor's ``is_backward`` / ``is_inference`` arguments."""
     pipeline = build_pipeline(plan)
 
     def compile_with_passes(gm: fx.GraphModule, example_inputs: Sequence[object], **kwargs: Any):
         gm = run_passes(gm, plan, pipeline, "partitioned")
+        if dumper is not None:
+            graph_role = role or (
+                "backward" if kwargs.get("is_backward") else
+                "inference" if kwargs.get("is_inference") else "forward"
+            )
+            dumper.compiled(graph_role, gm)
         return compile_graph(gm, example_inputs, **kwargs)
 
     return compile_with_passes
@@ -109,19 +121,28 @@ class MfsdpBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         plan = build_plan(gm, example_inputs, self.options)
-        gm = run_passes(gm, plan, build_pipeline(plan), "dynamo")
-        partitioner = MfsdpPartitioner(plan)
+        root = debug_dir(self.options.debug_dir)
+        dumper = GraphDumper(root, plan) if root else None
+        if dumper:
+            dump_frames(root)
+            dumper.graph("dynamo", gm)
+        gm = run_passes(gm, plan, build_pipeline(plan), "dynamo", dumper and dumper.graph)
+        partitioner = MfsdpPartitioner(plan, dumper)
         self.graphs.append(CompiledGraph(plan, gm, partitioner))
         if self.options.compiler == "eager":
-            run = _with_partitioned_passes(_run_graph, plan)
-            compiled = aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partitioner)
+            compiled = aot_autograd(
+                fw_compiler=_with_partitioned_passes(_run_graph, plan, dumper, "forward"),
+                bw_compiler=_with_partitioned_passes(_run_graph, plan, dumper, "backward"),
+                inference_compiler=_with_partitioned_passes(_run_graph, plan, dumper, "inference"),
+                partition_fn=partitioner,
+            )
             return compiled(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         return compile_fx(
             gm,
             example_inputs,
-            inner_compile=_with_partitioned_passes(compile_fx_inner, plan),
+            inner_compile=_with_partitioned_passes(compile_fx_inner, plan, dumper),
             config_patches={"custom_partitioner_fn": partitioner},
         )
 

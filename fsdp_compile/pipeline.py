@@ -46,12 +46,16 @@ class PassFailed(RuntimeError):
 
 
 def run_passes(
-    gm: fx.GraphModule, plan: Plan, pipeline: list[Pass], stage: Stage
+    gm: fx.GraphModule,
+    plan: Plan,
+    pipeline: list[Pass],
+    stage: Stage,
+    dump: Callable[[str, fx.GraphModule], None] | None = None,
 ) -> fx.GraphModule:
     """Run ``stage``'s passes in order, checking each postcondition.
 
     Each run is recorded in ``gm.meta["mfsdp_passes"]`` (name, seconds, collective counts
-    afterwards) for the debug dumps.
+    afterwards); ``dump(name, gm)``, when given, sees the graph after every pass.
     """
     record = gm.meta.setdefault("mfsdp_passes", [])
     for p in (p for p in pipeline if p.stage == stage):
@@ -71,4 +75,6 @@ def run_passes(
                 "collectives": dict(count_collectives(gm.graph)),
             }
         )
+        if dump is not None:
+            dump(p.name, gm)
     return gm

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -25,6 +27,8 @@ class BackendOptions:
     """"inductor" generates kernels; "eager" runs the rewritten FX graphs as Python (debugging, CPU tests)."""
     cuda_graph: bool = False
     """Refuse, at compile time, anything a CUDA graph cannot capture (see docs/cuda_graphs.md)."""
+    debug_dir: str | None = None
+    """Write per-graph dumps here (see fsdp_compile.debug); $MFSDP_DEBUG_DIR does the same."""
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -40,6 +44,12 @@ class BackendOptions:
             raise CompileUsageError(
                 f"options['compiler'] must be 'inductor' or 'eager', got {compiler!r}."
             )
+        if not isinstance(options.get("debug_dir") or "", (str, os.PathLike)):
+            raise CompileUsageError(
+                f"options['debug_dir'] must be a path, got {options['debug_dir']!r}."
+            )
+        if options.get("debug_dir") is not None:
+            options["debug_dir"] = os.fspath(options["debug_dir"])
         if not isinstance(options.get("cuda_graph", False), bool):
             raise CompileUsageError(
                 f"options['cuda_graph'] must be True or False, got {options['cuda_graph']!r}."
@@ -118,8 +128,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _source_name(node: fx.Node) -> str:
+    """The parameter's dotted path, e.g. ``layers.0.attn.wqkv.weight``.
+
+    Dynamo's source reads ``L['self']._modules['layers']._modules['0']..._parameters['weight']``;
+    the quoted keys after the root are the path.
+    """
     grapharg = node.meta.get("grapharg")
-    return grapharg.source.name if grapharg is not None else node.name
+    if grapharg is None:
+        return node.name
+    keys = re.findall(r"\['([^']+)'\]", grapharg.source.name)
+    return ".".join(keys[1:]) if len(keys) > 1 else grapharg.source.name
 
 
 def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions) -> Plan:

@@ -1,0 +1,174 @@
+"""Debug dumps: what the backend did to each graph, as files a person reads.
+
+Turn on with ``torch.compile(..., options={"debug_dir": PATH})`` or ``MFSDP_DEBUG_DIR=PATH``.
+Layout (also written as README.md into every graph folder)::
+
+    PATH/rank<R>/
+      frames/<function>-<line>.py     depyf: the frame's user source, decompiled, and the
+                                      transformed bytecode that calls the compiled graphs
+      graph_<id>/                     one per graph Dynamo compiled (several with graph breaks)
+        README.md
+        passes/00_dynamo.py           Dynamo's graph; each node under a "# File: ..." comment
+                                      naming the user source line it came from
+        passes/NN_<pass>.py           the graph after each pass, stage inputs in between
+        passes/NN_forward.py          the partitioned forward graph as compiled
+        passes/NN_backward.py         the partitioned backward graph as compiled
+        plan.json                     the Plan: every parameter, owner, group, dtypes, bytes
+        schedule.json                 every collective: kind, bucket, bytes, issue and wait
+                                      positions, the compute between them, and the estimated
+                                      timeline with its hardware model
+        timeline.png                  compute and communication lanes, estimated
+
+Each rank writes only under its own ``rank<R>`` folder and every file is written to a temporary
+name and renamed, so ranks dumping at once never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from fsdp_compile.plan import Plan
+from fsdp_compile.schedule import Hardware, collective_schedule, estimate_timeline
+
+__all__ = ["GraphDumper", "debug_dir", "DEBUG_DIR_ENV"]
+
+DEBUG_DIR_ENV = "MFSDP_DEBUG_DIR"
+
+
+def debug_dir(option: str | None) -> Path | None:
+    """The dump root: the ``debug_dir`` option, else ``$MFSDP_DEBUG_DIR``, else None."""
+    root = option or os.environ.get(DEBUG_DIR_ENV)
+    return Path(root) if root else None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    with tempfile.NamedTemporaryFile(mode, dir=path.parent, delete=False, prefix=".tmp-") as f:
+        f.write(data)
+    os.replace(f.name, path)
+
+
+def _readme() -> str:
+    layout = __doc__.split("Layout (also written as README.md into every graph folder)::")[1]
+    layout = layout.split("Each rank writes")[0]
+    return "# mfsdp debug dump\n\nWhat each file is:\n\n```" + layout.rstrip() + "\n```\n"
+
+
+class GraphDumper:
+    """Writes the dump folder of one compiled graph as the backend reaches each stage."""
+
+    def __init__(self, root: Path, plan: Plan, hardware: Hardware = Hardware()) -> None:
+        name = re.sub(r"[^0-9A-Za-z]+", "_", plan.graph_name).strip("_") or "graph"
+        self.folder = root / f"rank{_rank()}" / f"graph_{name}"
+        self.plan = plan
+        self.hardware = hardware
+        self.count = 0
+        self.partitioned: dict[str, fx.GraphModule] = {}
+        write_atomic(self.folder / "README.md", _readme())
+        write_atomic(self.folder / "plan.json", plan.to_json())
+
+    def graph(self, name: str, gm: fx.GraphModule) -> None:
+        """Dump ``gm`` as readable Python, numbered in the order stages and passes ran."""
+        code = gm.print_readable(print_output=False, include_stride=False, include_device=True)
+        write_atomic(self.folder / "passes" / f"{self.count:02d}_{name}.py", code)
+        self.count += 1
+
+    def compiled(self, role: str, gm: fx.GraphModule) -> None:
+        """A partitioned graph reached its compiler: dump it and refresh schedule and timeline."""
+        self.graph(role, gm)
+        self.partitioned[role] = gm
+        schedule, timelines = [], []
+        for graph_role, graph in self.partitioned.items():
+            schedule += [asdict(c) for c in collective_schedule(graph, self.plan, graph_role)]
+            timelines.append(estimate_timeline(graph, graph_role, self.hardware))
+        document = {
+            "graph": self.plan.graph_name,
+            "collectives": schedule,
+            "timelines": [
+                {
+                    "graph": t.graph,
+                    "step_seconds": t.step_seconds,
+                    "exposed_comm_seconds": t.exposed_comm_seconds,
+                }
+                for t in timelines
+            ],
+            "hardware": asdict(self.hardware),
+            "note": "times are estimates from fsdp_compile.schedule's cost model, not measurements",
+        }
+        write_atomic(self.folder / "schedule.json", json.dumps(document, indent=2))
+        write_atomic(self.folder / "timeline.png", draw_timeline(timelines))
+
+
+def draw_timeline(timelines) -> bytes:
+    """PNG bytes: per graph, a compute lane and a communication lane on a shared time axis."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 1.8 * len(timelines) + 0.6), squeeze=False)
+    for ax, timeline in zip(axes[:, 0], timelines):
+        lanes = {"compute": 1, "comm": 0}
+        colors = {"compute": "#4c72b0", "comm": "#dd8452"}
+        for span in timeline.spans:
+            width = (span.end - span.start) * 1e6
+            ax.broken_barh([(span.start * 1e6, width)], (lanes[span.lane] - 0.4, 0.8), color=colors[span.lane], edgecolor="white", linewidth=0.2)
+        ax.set_yticks([0, 1], ["communication", "compute"])
+        ax.set_xlim(0, max(timeline.step_seconds * 1e6, 1e-3))
+        exposed = timeline.exposed_comm_seconds / max(timeline.step_seconds, 1e-12)
+        ax.set_title(
+            f"{timeline.graph}: {timeline.step_seconds * 1e6:.1f} us estimated, "
+            f"exposed communication {timeline.exposed_comm_seconds * 1e6:.1f} us ({exposed:.0%})",
+            fontsize=9,
+        )
+    axes[-1, 0].set_xlabel(f"microseconds (estimated for {timelines[0].hardware.name})")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+_hooked_roots: set[Path] = set()
+
+
+def dump_frames(root: Path) -> None:
+    """Decompile every frame Dynamo transforms from now on into ``root/rank<R>/frames``.
+
+    Uses depyf's decompiler on Dynamo's bytecode hook; registered once per dump root.
+    """
+    if root in _hooked_roots:
+        return
+    _hooked_roots.add(root)
+    import depyf
+
+    def hook(original, transformed):
+        name = f"{original.co_name}-{original.co_firstlineno}.py".replace("<", "").replace(">", "")
+        try:
+            text = (
+                f"# {original.co_filename}:{original.co_firstlineno}\n"
+                f"# --- user source (decompiled) ---\n{depyf.decompile(original)}\n"
+                f"# --- as Dynamo rewrote it: calls into the compiled graphs ---\n"
+                f"{depyf.decompile(transformed)}\n"
+            )
+        except Exception as error:  # depyf covers most, not all, bytecode
+            text = f"# depyf could not decompile {original.co_name}: {error}\n"
+        write_atomic(root / f"rank{_rank()}" / "frames" / name, text)
+
+    torch._dynamo.convert_frame.register_bytecode_hook(hook)

@@ -1,0 +1,117 @@
+"""``explain(model, *example_inputs)``: a short account of what mfsdp does to a model."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fsdp_compile.api import shard_info
+from fsdp_compile.backend import MfsdpBackend
+from fsdp_compile.patterns import count_collectives
+from fsdp_compile.schedule import Hardware, collective_schedule, estimate_timeline
+
+__all__ = ["explain", "Explanation"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Explanation:
+    """What ``explain`` found; ``str()`` is the printed summary."""
+
+    managed: int
+    """Sharded parameters (tied ones counted once)."""
+    managed_bytes: int
+    excluded: dict[str, str]
+    """Parameter name -> why it is not sharded like the rest (frozen, tied, not managed)."""
+    buckets: int
+    collectives: dict[str, int]
+    """Per training step, by kind and graph, e.g. {"forward all_gather": 31, ...}."""
+    bytes_per_step: dict[str, int]
+    step_seconds: float
+    exposed_comm_seconds: float
+    hardware: Hardware
+    graphs: int
+
+    def __str__(self) -> str:
+        lines = [
+            f"mfsdp: {self.managed} sharded parameters, {self.managed_bytes / 2**20:.2f} MiB "
+            f"unsharded, in {self.graphs} compiled graph(s)",
+        ]
+        if self.excluded:
+            lines.append("special parameters:")
+            lines += [f"  {name}: {why}" for name, why in sorted(self.excluded.items())]
+        lines.append(f"buckets: {self.buckets} (one per parameter; bucketing is not built yet)")
+        lines.append("collectives per step:")
+        lines += [
+            f"  {kind}: {count} ({self.bytes_per_step.get(kind, 0) / 2**20:.2f} MiB)"
+            for kind, count in sorted(self.collectives.items())
+        ]
+        exposed = self.exposed_comm_seconds / max(self.step_seconds, 1e-12)
+        lines.append(
+            f"estimated step on {self.hardware.name}: {self.step_seconds * 1e3:.3f} ms, "
+            f"exposed communication {self.exposed_comm_seconds * 1e3:.3f} ms ({exposed:.0%})"
+        )
+        return "\n".join(lines)
+
+
+def _special_parameters(model: nn.Module) -> dict[str, str]:
+    names = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append((name, param))
+    special = {}
+    for entries in names.values():
+        name, param = entries[0]
+        if shard_info(param) is None:
+            special[name] = "not sharded: fully_shard was not called on its module"
+        elif not param.requires_grad:
+            special[name] = "frozen: gathered in forward, never reduce-scattered"
+        if len(entries) > 1:
+            others = ", ".join(n for n, _ in entries[1:])
+            special[name] = f"tied with {others}: sharded once, one gather, gradients summed"
+    return special
+
+
+def explain(
+    model: nn.Module, *example_inputs, hardware: Hardware = Hardware(), **options
+) -> Explanation:
+    """Compile ``model`` with mfsdp (eager compiler), run one forward, and summarise.
+
+    The forward runs real all-gathers: call it on every rank, like any collective. Estimates
+    use ``fsdp_compile.schedule``'s cost model for ``hardware``.
+    """
+    backend = MfsdpBackend(compiler="eager", **options)
+    torch.compile(model, backend=backend)(*example_inputs)
+    collectives: dict[str, int] = defaultdict(int)
+    moved: dict[str, int] = defaultdict(int)
+    step = exposed = 0.0
+    params = {}
+    for graph in backend.graphs:
+        params.update({p.param_id: p for p in graph.plan.params})
+        if graph.partitioner.partitioned is None:
+            continue  # a graph without gradients (inference): no backward to count
+        for role, gm in (("forward", graph.forward), ("backward", graph.backward)):
+            for kind, count in count_collectives(gm.graph).items():
+                collectives[f"{role} {kind}"] += count
+            for c in collective_schedule(gm, graph.plan, role):
+                moved[f"{role} {c.kind}"] += c.bytes
+            timeline = estimate_timeline(gm, role, hardware)
+            step += timeline.step_seconds
+            exposed += timeline.exposed_comm_seconds
+    managed_bytes = sum(
+        torch.Size(p.global_shape).numel() * torch.empty((), dtype=getattr(torch, p.dtype)).element_size()
+        for p in params.values()
+    )
+    return Explanation(
+        managed=len(params),
+        managed_bytes=managed_bytes,
+        excluded=_special_parameters(model),
+        buckets=len(params),
+        collectives=dict(collectives),
+        bytes_per_step=dict(moved),
+        step_seconds=step,
+        exposed_comm_seconds=exposed,
+        hardware=hardware,
+        graphs=len(backend.graphs),
+    )

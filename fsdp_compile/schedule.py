@@ -1,0 +1,181 @@
+"""What a compiled graph does, in order: its collectives and an estimated two-stream timeline.
+
+``collective_schedule(gm, plan)`` lists every collective of a partitioned graph with its bytes,
+where it is issued, where it is waited on and the compute in between. ``estimate_timeline``
+plays the graph on two streams (compute, communication) with a simple cost model:
+
+- compute node: FLOPs counted by ``torch.utils.flop_counter`` on the node's fake tensors,
+  divided by ``Hardware.flops``; nodes without FLOPs cost the bytes they write at
+  ``Hardware.memory_bandwidth`` (a memory-bound roofline);
+- collective: ring alpha-beta, ``latency * (world - 1) + bytes * (world - 1) / world / link``,
+  where ``bytes`` is the gathered (or reduced) size;
+- a collective starts when it is issued and the communication stream is free; a wait blocks
+  the compute stream until its collective ends.
+
+The numbers are estimates for the named hardware, not measurements (see docs/debugging.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from fsdp_compile.patterns import is_all_gather, is_collective, is_wait
+from fsdp_compile.plan import Plan
+
+__all__ = ["Hardware", "Collective", "collective_schedule", "estimate_timeline", "Timeline"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """The machine a timeline is estimated for."""
+
+    name: str = "H100-class GPU, NVLink"
+    flops: float = 400e12
+    """Sustained dense FLOP/s of the compute stream."""
+    memory_bandwidth: float = 2.5e12
+    """Bytes/s for memory-bound ops."""
+    link: float = 450e9
+    """Per-GPU collective bandwidth, bytes/s (NVLink-class ~450e9, InfiniBand-class ~50e9)."""
+    latency: float = 2e-6
+    """Seconds per ring step (NVLink-class; a few microseconds more across InfiniBand)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective of a partitioned graph."""
+
+    kind: str
+    """"all_gather" or "reduce_scatter"."""
+    graph: str
+    """"forward" or "backward"."""
+    param: str
+    """The parameter it moves (its fqn); the bucket until buckets hold several."""
+    bucket: str
+    bytes: int
+    """Gathered output bytes (all_gather) or reduced input bytes (reduce_scatter)."""
+    group: str
+    world: int
+    issue_position: int
+    """Index of the collective's node in the graph."""
+    wait_position: int
+    """Index of its wait_tensor node."""
+    overlapped_compute: list[str] = field(default_factory=list)
+    """Compute nodes between issue and wait: what can hide this collective."""
+
+
+def _nbytes(val: object) -> int:
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _is_compute(node: fx.Node) -> bool:
+    return node.op == "call_function" and not is_collective(node) and not is_wait(node)
+
+
+def collective_schedule(gm: fx.GraphModule, plan: Plan, graph: str) -> list[Collective]:
+    """Every collective in ``gm`` (a partitioned ``graph``: "forward" or "backward")."""
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    schedule = []
+    for node in nodes:
+        if not is_collective(node):
+            continue
+        wait = next(u for u in node.users if is_wait(u))
+        param_id = node.meta.get("mfsdp_param_id")
+        fqn = plan.param(param_id).fqn if param_id is not None else "(user collective)"
+        moved = node.meta["val"] if is_all_gather(node) else node.args[0].meta["val"]
+        between = nodes[position[node] + 1 : position[wait]]
+        schedule.append(
+            Collective(
+                kind="all_gather" if is_all_gather(node) else "reduce_scatter",
+                graph=graph,
+                param=fqn,
+                bucket=fqn,
+                bytes=_nbytes(moved),
+                group=str(node.args[-1]),
+                world=int(node.args[-2]),
+                issue_position=position[node],
+                wait_position=position[wait],
+                overlapped_compute=[n.name for n in between if _is_compute(n)],
+            )
+        )
+    return schedule
+
+
+def _node_flops(node: fx.Node) -> int:
+    """FLOPs of one node, counted on its fake tensors (0 when it cannot be counted)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    args, kwargs = tree_map(
+        lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
+    )
+    fake_mode = torch._guards.detect_fake_mode(args)
+    if fake_mode is None:
+        return 0
+    counter = FlopCounterMode(display=False)
+    try:
+        with fake_mode, counter:
+            node.target(*args, **kwargs)
+    except Exception:  # ops the fake mode cannot rerun standalone (RNG state, in-place views)
+        return 0
+    return counter.get_total_flops()
+
+
+def collective_seconds(kind: str, nbytes: int, world: int, hw: Hardware) -> float:
+    """Ring alpha-beta time of an all-gather or reduce-scatter moving ``nbytes`` in total."""
+    if world <= 1:
+        return 0.0
+    return hw.latency * (world - 1) + nbytes * (world - 1) / world / hw.link
+
+
+@dataclass(frozen=True, kw_only=True)
+class Span:
+    lane: str
+    """"compute" or "comm"."""
+    name: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    graph: str
+    hardware: Hardware
+    spans: tuple[Span, ...]
+    step_seconds: float
+    exposed_comm_seconds: float
+    """Time the compute stream sat idle waiting for a collective."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate_timeline(gm: fx.GraphModule, graph: str, hw: Hardware = Hardware()) -> Timeline:
+    """Play ``gm`` on a compute and a communication stream with the cost model above."""
+    compute_clock = comm_clock = exposed = 0.0
+    done: dict[fx.Node, float] = {}
+    spans = []
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            val = node.meta["val"] if is_all_gather(node) else node.args[0].meta["val"]
+            kind = "all_gather" if is_all_gather(node) else "reduce_scatter"
+            start = max(compute_clock, comm_clock)
+            comm_clock = start + collective_seconds(kind, _nbytes(val), int(node.args[-2]), hw)
+            done[node] = comm_clock
+            spans.append(Span(lane="comm", name=node.name, start=start, end=comm_clock))
+        elif is_wait(node) and node.args[0] in done:
+            ready = done[node.args[0]]
+            exposed += max(0.0, ready - compute_clock)
+            compute_clock = max(compute_clock, ready)
+        elif _is_compute(node):
+            flops = _node_flops(node)
+            cost = flops / hw.flops if flops else _nbytes(node.meta.get("val")) / hw.memory_bandwidth
+            if cost > 0:
+                spans.append(Span(lane="compute", name=node.name, start=compute_clock, end=compute_clock + cost))
+                compute_clock += cost
+    step = max(compute_clock, comm_clock)
+    return Timeline(graph=graph, hardware=hw, spans=tuple(spans), step_seconds=step, exposed_comm_seconds=exposed)
