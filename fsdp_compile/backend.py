@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
@@ -47,21 +47,13 @@ class MfsdpPartitioner(CustomPartitionerFn):
         gm = run_passes(gm, self.plan, self.pipeline, "joint", dump)
         self.joint = gm
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        fw.meta["mfsdp_plan"] = bw.meta["mfsdp_plan"] = self.plan
         self.partitioned = (fw, bw)
         return fw, bw
 
     def uuid(self) -> Any:
         # Compiled artifacts depend on this package's passes and on the plan (groups, sizes).
-        import fsdp_compile
-
-        return (get_hash_for_files(tuple(_package_files(fsdp_compile))), repr(self.plan))
-
-
-def _package_files(package) -> list[str]:
-    from pathlib import Path
-
-    return sorted(str(p) for p in Path(package.__file__).parent.rglob("*.py"))
+        sources = tuple(sorted(str(p) for p in Path(__file__).parent.rglob("*.py")))
+        return (get_hash_for_files(sources), repr(self.plan))
 
 
 def _run_graph(gm: fx.GraphModule, example_inputs: Sequence[object], **_: Any):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import fx
 
 from fsdp_compile.plan import Plan
-from fsdp_compile.schedule import Hardware, collective_schedule, estimate_timeline
+from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline
 
 __all__ = ["GraphDumper", "debug_dir", "DEBUG_DIR_ENV"]
 
@@ -71,7 +71,7 @@ def _readme() -> str:
 class GraphDumper:
     """Writes the dump folder of one compiled graph as the backend reaches each stage."""
 
-    def __init__(self, root: Path, plan: Plan, hardware: Hardware = Hardware()) -> None:
+    def __init__(self, root: Path, plan: Plan, hardware: Hardware = NVLINK_GPU) -> None:
         name = re.sub(r"[^0-9A-Za-z]+", "_", plan.graph_name).strip("_") or "graph"
         self.folder = root / f"rank{_rank()}" / f"graph_{name}"
         self.plan = plan

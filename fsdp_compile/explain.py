@@ -11,7 +11,7 @@ from torch import nn
 from fsdp_compile.api import shard_info
 from fsdp_compile.backend import MfsdpBackend
 from fsdp_compile.patterns import count_collectives
-from fsdp_compile.schedule import Hardware, collective_schedule, estimate_timeline
+from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline
 
 __all__ = ["explain", "Explanation"]
 
@@ -74,7 +74,7 @@ def _special_parameters(model: nn.Module) -> dict[str, str]:
 
 
 def explain(
-    model: nn.Module, *example_inputs, hardware: Hardware = Hardware(), **options
+    model: nn.Module, *example_inputs, hardware: Hardware = NVLINK_GPU, **options
 ) -> Explanation:
     """Compile ``model`` with mfsdp (eager compiler), run one forward, and summarise.
 

@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fsdp_compile.patterns import is_all_gather, is_collective, is_wait
 from fsdp_compile.plan import Plan
 
-__all__ = ["Hardware", "Collective", "collective_schedule", "estimate_timeline", "Timeline"]
+__all__ = ["Hardware", "NVLINK_GPU", "Collective", "collective_schedule", "estimate_timeline", "Timeline"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +43,10 @@ class Hardware:
     """Per-GPU collective bandwidth, bytes/s (NVLink-class ~450e9, InfiniBand-class ~50e9)."""
     latency: float = 2e-6
     """Seconds per ring step (NVLink-class; a few microseconds more across InfiniBand)."""
+
+
+NVLINK_GPU = Hardware()
+"""The default estimate target: an H100-class GPU on NVLink."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +158,7 @@ class Timeline:
         return asdict(self)
 
 
-def estimate_timeline(gm: fx.GraphModule, graph: str, hw: Hardware = Hardware()) -> Timeline:
+def estimate_timeline(gm: fx.GraphModule, graph: str, hw: Hardware = NVLINK_GPU) -> Timeline:
     """Play ``gm`` on a compute and a communication stream with the cost model above."""
     compute_clock = comm_clock = exposed = 0.0
     done: dict[fx.Node, float] = {}

@@ -7,8 +7,6 @@ parameter must agree to 1e-5 relative, in fp32.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 

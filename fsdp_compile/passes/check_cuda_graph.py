@@ -6,6 +6,7 @@ line it came from, and the fix (docs/cuda_graphs.md lists them all).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -49,16 +50,24 @@ class CudaGraphIncompatible(CompileUsageError):
     """The step contains something a CUDA graph cannot capture; the message says what and where."""
 
 
+# Frames of the marker machinery: a gather's stack ends in the property getter, but the line
+# worth showing is the user's read of the parameter one frame up.
+_MACHINERY = (str(Path(__file__).parents[1] / "api.py"), str(Path(__file__).parents[1] / "ops.py"))
+
+
 def _user_line(node: fx.Node) -> str:
-    """The innermost user frame of the node's stack trace, e.g. 'model.py:42: x = y.item()'."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [line.strip() for line in trace.strip().splitlines()]
-    frames = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    """The innermost user frame of the node's stack trace, e.g. 'model.py, line 42, in f: ...'."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").strip().splitlines()]
+    frames = [
+        i
+        for i, line in enumerate(lines)
+        if line.startswith("File ") and not any(m in line for m in _MACHINERY)
+    ]
     if not frames:
         return "no source line recorded"
     last = frames[-1]
     where = lines[last].removeprefix("File ").replace('"', "")
-    code = lines[last + 1] if last + 1 < len(lines) else ""
+    code = lines[last + 1] if last + 1 < len(lines) and not lines[last + 1].startswith("File ") else ""
     return f"{where}: {code}".strip()
 
 
