@@ -27,17 +27,22 @@ class Pass:
     run: GraphPass
     check: Check | None = None
     """The pass's postcondition, run after it; None when the pass only inspects."""
+    rewrites: bool = True
+    """False for passes that only inspect (and raise): nothing new to dump after them."""
 
 
 def build_pipeline(plan: Plan) -> list[Pass]:
     """The passes for ``plan``'s graph, in order; each stage runs where its graph exists."""
     pipeline = [
         Pass("dedupe_unshards", "dynamo", passes.dedupe_unshards, passes.check_dedupe_unshards),
+        Pass("check_rank_agreement", "dynamo", passes.check_rank_agreement, rewrites=False),
         Pass("lower_collectives", "joint", passes.lower_collectives, passes.check_lower_collectives),
         Pass("reshard", "joint", passes.reshard, passes.check_reshard),
     ]
     if plan.options.cuda_graph:
-        pipeline.append(Pass("check_cuda_graph", "partitioned", passes.check_cuda_graph))
+        pipeline.append(
+            Pass("check_cuda_graph", "partitioned", passes.check_cuda_graph, rewrites=False)
+        )
     return pipeline
 
 
@@ -75,6 +80,6 @@ def run_passes(
                 "collectives": dict(count_collectives(gm.graph)),
             }
         )
-        if dump is not None:
+        if dump is not None and p.rewrites:
             dump(p.name, gm)
     return gm

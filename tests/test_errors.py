@@ -11,8 +11,8 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, UsageError, fully_shard
-from fsdp_compile.models import TransformerConfig
-from harness import build_model, fake_process_group
+from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from harness import build_model, fake_process_group, spawn
 
 
 def test_fully_shard_twice_on_one_module_is_rejected():
@@ -89,3 +89,48 @@ def test_backend_registered_through_entry_point_without_import():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+class _RankDependentModel(nn.Module):
+    """Reads a different parameter on rank 0 than elsewhere: FSDP would hang on this."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        layer = self.a if torch.distributed.get_rank() == 0 else self.b
+        return layer(x).sum()
+
+
+def _compile_rank_dependent(rank, world):
+    torch.manual_seed(0)
+    model = torch.compile(fully_shard(_RankDependentModel()), backend=MfsdpBackend(compiler="eager"))
+    try:
+        model(torch.randn(2, 4)).backward()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_tracing_different_collectives_all_raise():
+    """A rank-dependent branch is found at compile time, before any collective, on every rank."""
+    messages = spawn(_compile_rank_dependent, 2)
+    for message in messages:
+        assert "ranks traced different collectives" in message, message
+
+
+def _compile_uneven_batches(rank, world):
+    cfg = TransformerConfig()
+    model = fully_shard(build_model(cfg))
+    tokens, targets = make_batch(cfg, 2 - rank, 8, 0, rank)  # a shorter last batch on rank 1
+    loss = loss_fn(torch.compile(model, backend=MfsdpBackend(compiler="eager"))(tokens), targets)
+    loss.backward()
+    return float(loss)
+
+
+def test_different_batch_sizes_are_not_a_mismatch():
+    """Only collectives are compared: activation shapes may differ between ranks."""
+    losses = spawn(_compile_uneven_batches, 2)
+    assert all(loss > 0 for loss in losses)

@@ -1,17 +1,20 @@
 """One module per pass; each is ``(gm, plan) -> gm`` and states its invariant in its docstring.
 
 Order (see ``fsdp_compile.pipeline.build_pipeline``):
-  Dynamo graph:  dedupe_unshards
+  Dynamo graph:  dedupe_unshards -> check_rank_agreement
   joint graph:   lower_collectives -> reshard -> (min-cut partition)
   partitioned:   check_cuda_graph (forward and backward; only with options["cuda_graph"])
 """
 
 from fsdp_compile.passes.check_cuda_graph import CudaGraphIncompatible, check_cuda_graph
+from fsdp_compile.passes.check_rank_agreement import check_rank_agreement, collective_fingerprint
 from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_unshards
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
 from fsdp_compile.passes.reshard import check_reshard, reshard, saved_gathered_params
 
 __all__ = [
+    "check_rank_agreement",
+    "collective_fingerprint",
     "check_cuda_graph",
     "CudaGraphIncompatible",
     "dedupe_unshards",

@@ -1,0 +1,57 @@
+"""Pass (Dynamo graph): all ranks are about to run the same collectives, or all raise."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch.distributed as dist
+from torch import fx
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.patterns import is_unshard, marker_param_id
+from fsdp_compile.plan import Plan
+
+
+def collective_fingerprint(gm: fx.GraphModule, plan: Plan) -> str:
+    """A digest of the graph's parameter gathers, in order: what every rank must agree on.
+
+    Only the collectives count: ranks may legitimately trace different activation shapes (a
+    shorter last batch), and that changes no collective. Backward collectives follow from the
+    forward's gathers, so the forward sequence suffices.
+    """
+    sequence = []
+    for node in gm.graph.nodes:
+        if is_unshard(node):
+            param = plan.param(marker_param_id(node))
+            sequence.append((param.param_id, param.global_shape, param.group_name, param.param_dtype))
+    return hashlib.sha256(repr(sequence).encode()).hexdigest()[:16]
+
+
+def check_rank_agreement(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Afterwards (when it returns) every rank of the parameters' group compiled a graph with the
+    same sequence of parameter collectives. Otherwise every rank raises ``CompileUsageError``
+    naming the ranks that differ, instead of hanging in the first mismatched collective.
+
+    Costs one small ``all_gather_object`` per compiled graph, before any of its collectives.
+    """
+    groups = {p.group_name for p in plan.params}
+    if not groups or not dist.is_initialized():
+        return gm
+    mine = collective_fingerprint(gm, plan)
+    for group_name in sorted(groups):
+        group = _resolve_process_group(group_name)
+        if group.size() == 1:
+            continue
+        fingerprints: list[str] = [""] * group.size()
+        dist.all_gather_object(fingerprints, mine, group=group)
+        if len(set(fingerprints)) > 1:
+            by_rank = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fingerprints))
+            raise CompileUsageError(
+                f"ranks traced different collectives for graph {plan.graph_name} ({by_rank}): "
+                "the forward takes a rank-dependent path (a branch on the rank, on data that "
+                "differs between ranks, or modules used on some ranks only). Make every rank "
+                "read the same parameters in the same order; every rank raises this error "
+                "instead of hanging in the first mismatched collective."
+            )
+    return gm
