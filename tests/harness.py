@@ -32,7 +32,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(rank, world, port, out_dir, fn, kwargs, backend):
+def _child(rank, world, port, out_dir, fn, kwargs, backend, pg_timeout):
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -42,7 +42,7 @@ def _child(rank, world, port, out_dir, fn, kwargs, backend):
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=120),
+            timeout=timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world, **kwargs)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
@@ -54,13 +54,27 @@ def _child(rank, world, port, out_dir, fn, kwargs, backend):
             dist.destroy_process_group()
 
 
-def spawn(fn, world: int, timeout: float = 600, backend: str = "gloo", **kwargs) -> list:
-    """Run ``fn(rank, world, **kwargs)`` on ``world`` ranks; return each rank's result."""
+def spawn(
+    fn,
+    world: int,
+    timeout: float = 600,
+    backend: str = "gloo",
+    pg_timeout: float = 120,
+    allow_dead_ranks: bool = False,
+    **kwargs,
+) -> list:
+    """Run ``fn(rank, world, **kwargs)`` on ``world`` ranks; return each rank's result.
+
+    ``pg_timeout`` is the process group's collective timeout. With ``allow_dead_ranks`` a rank
+    that exits without a result yields None instead of failing the test.
+    """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         procs = [
-            ctx.Process(target=_child, args=(r, world, port, out_dir, fn, kwargs, backend))
+            ctx.Process(
+                target=_child, args=(r, world, port, out_dir, fn, kwargs, backend, pg_timeout)
+            )
             for r in range(world)
         ]
         for p in procs:
@@ -73,6 +87,9 @@ def spawn(fn, world: int, timeout: float = 600, backend: str = "gloo", **kwargs)
         results = []
         for rank in range(world):
             path = os.path.join(out_dir, f"{rank}.pt")
+            if not os.path.exists(path) and allow_dead_ranks:
+                results.append(None)
+                continue
             if not os.path.exists(path):
                 raise AssertionError(f"rank {rank} produced no result (killed or timed out)")
             record = torch.load(path, weights_only=False)
