@@ -8,11 +8,13 @@ from fsdp_compile.api import MixedPrecision, fully_shard, is_fully_sharded, shar
 from fsdp_compile.capture import CapturedStep, capture_step
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend, _register, mfsdp_backend
 from fsdp_compile.errors import UsageError
+from fsdp_compile.optim_guard import install as install_optimizer_guard
 from fsdp_compile.explain import Explanation, explain
 from fsdp_compile.schedule import Hardware
 from fsdp_compile.plan import BackendOptions, Plan
 
 _register()
+install_optimizer_guard()
 
 __all__ = [
     "fully_shard",

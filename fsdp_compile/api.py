@@ -162,8 +162,17 @@ _param_ids = itertools.count()
 
 
 def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
+    param = self._parameters[name]
+    # isinstance and shape only: Dynamo traces this getter, and both are cheap guards for it.
+    if not isinstance(param, DTensor) or tuple(param.shape) != info.global_shape:
+        raise UsageError(
+            f"{type(self).__name__}.{name} was replaced after fully_shard (now "
+            f"{type(param).__name__} of shape {tuple(param.shape)}); sharding happens once. "
+            "Change the model before calling fully_shard, or copy new values into the shard "
+            "(param.to_local().copy_(...))."
+        )
     try:
-        shard = self._parameters[name].to_local()
+        shard = param.to_local()
         return unshard(
             shard,
             info.global_shape[0],

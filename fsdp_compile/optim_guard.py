@@ -1,0 +1,38 @@
+"""Catch an optimizer built before ``fully_shard``: it would silently train nothing.
+
+``fully_shard`` replaces each parameter with a new sharded one; an optimizer created earlier
+still holds the old tensors, which never receive a gradient again, so ``step()`` skips them
+without a word. A global optimizer step pre-hook (torch's ``register_optimizer_step_pre_hook``)
+checks each optimizer once, on its first step, and raises naming the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from fsdp_compile.errors import UsageError
+
+_CHECKED = "_mfsdp_checked"
+
+
+def _check_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if getattr(optimizer, _CHECKED, False):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if hasattr(param, "_mfsdp_sharded_as"):
+                raise UsageError(
+                    f"{type(optimizer).__name__} holds a parameter of shape "
+                    f"{tuple(param.shape)} that fully_shard has since replaced with its shard: "
+                    "this optimizer was built before fully_shard and would update nothing. "
+                    "Build the optimizer after fully_shard(model)."
+                )
+    setattr(optimizer, _CHECKED, True)
+
+
+def install() -> None:
+    """Register the check once per process (called on ``import fsdp_compile``)."""
+    if not getattr(install, "done", False):
+        register_optimizer_step_pre_hook(_check_params)
+        install.done = True

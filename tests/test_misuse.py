@@ -1,0 +1,82 @@
+"""The misuse catalogue (docs/misuse.md): mistakes not covered in test_errors.py and
+test_cuda_graph_check.py. Each raises one ValueError naming the fix, before any collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile.capture import _copy_into
+from harness import fake_process_group
+
+
+def test_optimizer_built_before_fully_shard():
+    """It would hold the replaced tensors and silently update nothing."""
+    with fake_process_group(2):
+        model = nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters())
+        fully_shard(model)
+        model(torch.randn(2, 4)).sum().backward()
+        with pytest.raises(ValueError, match="built before fully_shard"):
+            opt.step()
+
+
+def test_optimizer_built_after_fully_shard_is_fine():
+    with fake_process_group(2):
+        model = fully_shard(nn.Linear(4, 4))
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_parameter_replaced_after_sharding(compiled):
+    with fake_process_group(2):
+        model = fully_shard(nn.Sequential(nn.Linear(4, 4)))
+        model[0].weight = nn.Parameter(torch.randn(5, 4))
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        with pytest.raises(ValueError, match="replaced after fully_shard"):
+            forward(torch.randn(2, 4))
+
+
+def test_zero_dim_parameter():
+    model = nn.Linear(4, 4)
+    model.scale = nn.Parameter(torch.tensor(1.0))
+    with fake_process_group(2):
+        with pytest.raises(ValueError, match="shape \\[1\\]"):
+            fully_shard(model)
+
+
+def test_two_dimensional_mesh():
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2))
+        with pytest.raises(ValueError, match="1-D mesh"):
+            fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+def test_mp_policy_of_the_wrong_type():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    with fake_process_group(2):
+        with pytest.raises(ValueError, match="fsdp_compile.MixedPrecision"):
+            fully_shard(nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"compiler": "aot_eager"}, "'inductor' or 'eager'"),
+        ({"cuda_graph": "yes"}, "True or False"),
+    ],
+)
+def test_bad_backend_option_values(options, message):
+    with pytest.raises(ValueError, match=message):
+        MfsdpBackend(**options)
+
+
+def test_captured_step_called_with_another_shape():
+    with pytest.raises(ValueError, match="capture once per shape"):
+        _copy_into(torch.zeros(2, 8), torch.zeros(3, 8))
