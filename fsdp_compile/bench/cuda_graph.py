@@ -20,12 +20,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compile import MixedPrecision, capture_step, fully_shard
-from fsdp_compile.models import Transformer, TransformerConfig, loss_fn
+from fsdp_compile.bench.presets import PRESETS
+from fsdp_compile.models import Transformer, loss_fn
 
-PRESETS = {
-    "tiny": TransformerConfig(vocab=1024, dim=256, n_layers=2, n_heads=4, hidden=704, max_seq=256),
-    "500m": TransformerConfig(vocab=32000, dim=1536, n_layers=16, n_heads=12, hidden=4096, max_seq=1024),
-}
 MODES = ("eager", "compiled", "compiled+cudagraph")
 
 

@@ -1,0 +1,193 @@
+"""``mfsdp-bench`` / ``python -m fsdp_compile.bench``: eager vs FSDP2 vs mfsdp training steps.
+
+    python -m fsdp_compile.bench --preset small --world-size 2            # CPU: spawns gloo ranks
+    torchrun --nproc-per-node 8 -m fsdp_compile.bench --preset 1b         # GPUs: nccl
+
+Launched by torchrun (RANK and WORLD_SIZE set) it runs in those ranks; otherwise it spawns
+``--world-size`` ranks on 127.0.0.1 itself (gloo on CPU, nccl with one GPU each). Rank 0 prints
+a table and one JSON line, and writes the JSON to ``--json``. See docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fsdp_compile.bench.modes import (
+    MODES,
+    RunConfig,
+    agree_across_ranks,
+    run_mode,
+    skip_reason,
+)
+from fsdp_compile.bench.presets import PRESETS
+from fsdp_compile.bench.report import add_ratios, machine_info, print_report, write_json
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """The command line; every field is an option of the same name (``--world-size``)."""
+
+    preset: str = "small"
+    """A key of ``fsdp_compile.bench.presets.PRESETS``."""
+    modes: str = ",".join(MODES)
+    """Comma-separated, run in this order; a mode the device cannot run is skipped, and said so."""
+    world_size: int = 2
+    """Ranks to spawn when not launched by torchrun."""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    batch: int = 4
+    """Sequences per rank per step."""
+    seq: int = 128
+    warmup: int = 3
+    """Untimed steps first (the first compiles)."""
+    steps: int = 20
+    """Timed steps."""
+    compiler: str = ""
+    """mfsdp's compiler, "inductor" or "eager"; empty: inductor on CUDA, eager on CPU."""
+    param_dtype: str = "float32"
+    """"float32" or "bfloat16" (mixed precision: fp32 weights, fp32 gradient reduction)."""
+    lr: float = 1e-3
+    seed: int = 0
+    json: str = ""
+    """Write the results here too (empty: only print)."""
+    timeout_s: float = 3600.0
+    """Kill the spawned ranks past this, and the per-collective timeout of the process group."""
+
+    def run_config(self) -> RunConfig:
+        return RunConfig(
+            preset=self.preset,
+            batch=self.batch,
+            seq=self.seq,
+            warmup=self.warmup,
+            steps=self.steps,
+            compiler=self.compiler or ("inductor" if self.device == "cuda" else "eager"),
+            param_dtype=getattr(torch, self.param_dtype),
+            lr=self.lr,
+            seed=self.seed,
+        )
+
+
+_CHOICES = {
+    "preset": tuple(PRESETS),
+    "device": ("cpu", "cuda"),
+    "compiler": ("", "inductor", "eager"),
+    "param_dtype": ("float32", "bfloat16"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = BenchConfig()
+    for field in fields(BenchConfig):
+        default = getattr(defaults, field.name)
+        parser.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            type=type(default),
+            default=default,
+            choices=_CHOICES.get(field.name),
+            help=f"default: {default!r}",
+        )
+    bench = BenchConfig(**vars(parser.parse_args(argv)))
+    unknown = sorted(set(bench.modes.split(",")) - set(MODES))
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}; choose from {','.join(MODES)}")
+    if bench.seq > PRESETS[bench.preset].max_seq:
+        parser.error(f"--seq {bench.seq} exceeds preset {bench.preset}'s max_seq")
+    if bench.warmup < 1 or bench.steps < 1 or bench.world_size < 1:
+        parser.error("--warmup, --steps and --world-size must be at least 1")
+    return bench
+
+
+def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: BenchConfig):
+    """Everything one rank does: join the group, run each mode, rank 0 reports."""
+    device = torch.device(bench.device, local_rank if bench.device == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=bench.timeout_s),
+    )
+    try:
+        run, results, skipped = bench.run_config(), [], {}
+        for mode in bench.modes.split(","):
+            reason = skip_reason(mode, device)
+            if reason:
+                skipped[mode] = reason
+                if rank == 0:
+                    print(f"skipping {mode}: {reason}", flush=True)
+                continue
+            results.append(agree_across_ranks(run_mode(mode, run, device), device))
+            # Each mode starts from nothing: no compiled frames, no cached blocks.
+            torch._dynamo.reset()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if rank == 0:
+            add_ratios(results)
+            document = {
+                "machine": machine_info(device),
+                "config": asdict(bench),
+                "results": results,
+                "skipped": skipped,
+            }
+            print_report(document)
+            if bench.json:
+                write_json(document, bench.json)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned_rank(rank: int, world: int, port: int, bench: BenchConfig) -> None:
+    if bench.device == "cpu":
+        # Ranks share the cores; more threads than cores would time contention, not work.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    run_rank(rank, world, rank, f"tcp://127.0.0.1:{port}", bench)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(bench: BenchConfig) -> None:
+    """Run ``bench.world_size`` ranks; a failing rank stops all; past the timeout, kill them."""
+    # Kineto writes lines for each start and stop of the profiler (the profiled step) on every
+    # rank at its levels up to 5; level 6 silences them, keeping the progress bars legible.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    world = bench.world_size
+    context = mp.start_processes(
+        _spawned_rank,
+        args=(world, _free_port(), bench),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + bench.timeout_s
+    while not context.join(timeout=1):  # raises, naming the rank, when one fails
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise SystemExit(f"bench ranks still running after --timeout-s {bench.timeout_s}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    bench = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        bench = replace(bench, world_size=world)  # torchrun's count rules; --world-size is moot
+        run_rank(rank, world, int(os.environ.get("LOCAL_RANK", "0")), "env://", bench)
+    else:
+        spawn(bench)

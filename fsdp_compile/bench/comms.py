@@ -1,0 +1,106 @@
+"""Collectives per training step, counted two ways.
+
+- ``graph_census``: from the forward and backward graphs the ``mfsdp`` backend compiled (what a
+  compiled step launches, by construction). Bytes are the all-gather outputs and the
+  reduce-scatter inputs, read from each node's ``meta["val"]``.
+- ``profiled_census``: what actually reached the c10d dispatcher during one step, recorded by
+  ``torch.profiler`` (CPU activity, ``record_shapes``). The profiler records every dispatcher
+  op, including the ones run inside our eager markers (custom ops, which hide their inner ops
+  from a ``TorchDispatchMode`` such as ``CommDebugMode``) and FSDP2's hook-driven
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; functional collectives reach the same
+  c10d ops, so a compiled step can be checked against its graphs. A replayed CUDA graph
+  dispatches nothing and shows no collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch.profiler import profile
+
+from fsdp_compile.backend import CompiledGraph
+from fsdp_compile.patterns import is_all_gather, is_reduce_scatter
+
+# c10d ops by kind, with the argument that carries the full-size tensor (all-gather output,
+# reduce-scatter input); the list-based ops record no shapes, so their bytes are unknown.
+_C10D_OPS = {
+    "c10d::_allgather_base_": ("all_gather", 0),
+    "c10d::allgather_": ("all_gather", None),
+    "c10d::allgather_coalesced_": ("all_gather", None),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", None),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_": ("reduce_scatter", None),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", None),
+    "c10d::allreduce_": ("all_reduce", None),
+    "c10d::allreduce_coalesced_": ("all_reduce", None),
+}
+# The profiler names dtypes as C++ does.
+_PROFILER_DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
+
+
+def _empty_census(counted_by: str) -> dict:
+    return {
+        "all_gather": 0,
+        "reduce_scatter": 0,
+        "all_reduce": 0,
+        "all_gather_bytes": 0,
+        "reduce_scatter_bytes": 0,
+        "counted_by": counted_by,
+    }
+
+
+def graph_census(graphs: Iterable[CompiledGraph]) -> dict:
+    """Collectives of one step: every compiled graph's forward plus backward.
+
+    Sums over all graphs the backend compiled, which is one step when each frame compiled
+    once (a graph break adds frames that all run each step; a recompile would overcount, and
+    then disagrees with ``profiled_census``).
+    """
+    census = _empty_census("compiled graphs (forward + backward)")
+    for compiled in graphs:
+        for gm in (compiled.forward, compiled.backward):
+            for node in gm.graph.nodes:
+                if is_all_gather(node):
+                    census["all_gather"] += 1
+                    census["all_gather_bytes"] += _nbytes(node.meta["val"])
+                elif is_reduce_scatter(node):
+                    census["reduce_scatter"] += 1
+                    census["reduce_scatter_bytes"] += _nbytes(node.args[0].meta["val"])
+    return census
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def profiled_census(prof: profile) -> dict:
+    """Collectives the profiled step dispatched; bytes are None when an op recorded no shapes."""
+    census = _empty_census("torch.profiler: c10d ops dispatched during one step")
+    for event in prof.events():
+        kind, full_arg = _C10D_OPS.get(event.name, (None, None))
+        if kind is None:
+            continue
+        census[kind] += 1
+        bytes_key = f"{kind}_bytes"
+        if bytes_key not in census:
+            continue
+        size = _event_bytes(event, full_arg)
+        if size is None or census[bytes_key] is None:
+            census[bytes_key] = None
+        else:
+            census[bytes_key] += size
+    return census
+
+
+def _event_bytes(event, arg: int | None) -> int | None:
+    # Older torch (2.11) records no dtypes: the bytes are then unknown.
+    dtypes = getattr(event, "input_dtypes", None)
+    if arg is None or dtypes is None or not event.input_shapes[arg:]:
+        return None
+    element_size = _PROFILER_DTYPE_BYTES.get(dtypes[arg])
+    if element_size is None or not event.input_shapes[arg]:
+        return None
+    numel = 1
+    for size in event.input_shapes[arg]:
+        numel *= size
+    return numel * element_size

@@ -1,0 +1,177 @@
+"""One bench mode, built and run: the same model, seed, data and AdamW, sharded four ways.
+
+- ``eager``: ``fully_shard(model)`` called directly (our markers run real collectives);
+- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each block, then on the root;
+- ``mfsdp``: ``torch.compile(fully_shard(model), backend=MfsdpBackend(compiler=...))``, the
+  ``backend="mfsdp"`` backend as an object, so its compiled graphs can be counted;
+- ``mfsdp-cudagraph``: ``mfsdp`` with ``cuda_graph=True``, the whole step captured by
+  ``capture_step`` (CUDA only).
+
+Step order, the same in every mode: ``warmup`` steps on the first batch (``capture_step`` warms
+up on its static inputs, so every mode does), one profiled step (collectives), then the timed
+steps, each on a fresh batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
+
+from fsdp_compile import MfsdpBackend, MixedPrecision, capture_step, fully_shard
+from fsdp_compile.bench.comms import graph_census, profiled_census
+from fsdp_compile.bench.memory import PeakMemory
+from fsdp_compile.bench.presets import PRESETS
+from fsdp_compile.models import Transformer, loss_fn, make_batch
+
+MODES = ("eager", "fsdp2", "mfsdp", "mfsdp-cudagraph")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What every mode of one bench run shares (the CLI's settings, resolved)."""
+
+    preset: str
+    batch: int
+    """Sequences per rank per step."""
+    seq: int
+    warmup: int
+    steps: int
+    """Timed steps, after warm-up and the profiled step."""
+    compiler: str
+    """``mfsdp``'s compiler: "inductor" or "eager"."""
+    param_dtype: torch.dtype
+    """Compute and all-gather dtype; gradients are reduced in fp32 and weights kept in fp32."""
+    lr: float
+    seed: int
+
+
+def skip_reason(mode: str, device: torch.device) -> str | None:
+    if mode == "mfsdp-cudagraph" and device.type != "cuda":
+        return "needs CUDA: capture_step records a CUDA graph"
+    return None
+
+
+def _build(mode: str, run: RunConfig, device: torch.device):
+    """(model, forward, backend or None): ``forward`` is what each step calls."""
+    torch.manual_seed(run.seed)
+    model = Transformer(PRESETS[run.preset]).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=run.param_dtype, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fsdp2_fully_shard(block, mesh=mesh, mp_policy=policy)
+        fsdp2_fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model, model, None
+    policy = MixedPrecision(param_dtype=run.param_dtype, reduce_dtype=torch.float32)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if mode == "eager":
+        return model, model, None
+    backend = MfsdpBackend(compiler=run.compiler, cuda_graph=mode == "mfsdp-cudagraph")
+    return model, torch.compile(model, backend=backend), backend
+
+
+def _train_step(forward: Callable, opt: torch.optim.Optimizer) -> Callable:
+    # zero_grad first with set_to_none: a captured step must start from no gradients.
+    def train_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(forward(tokens), targets)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return train_step
+
+
+def _batches(run: RunConfig, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Warm-up batch, profiled batch, then one per timed step; this rank's share of each."""
+    cfg, rank = PRESETS[run.preset], dist.get_rank()
+    made = (make_batch(cfg, run.batch, run.seq, step, rank) for step in range(run.steps + 2))
+    return [(tokens.to(device), targets.to(device)) for tokens, targets in made]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_mode(mode: str, run: RunConfig, device: torch.device) -> dict:
+    """Build, warm up, profile one step, time ``run.steps`` steps; this rank's numbers."""
+    memory = PeakMemory(device)
+    model, forward, backend = _build(mode, run, device)
+    # capturable keeps AdamW's step count on the device, which capture needs; every mode
+    # gets the same optimizer.
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, capturable=device.type == "cuda")
+    step = _train_step(forward, opt)
+    batches = _batches(run, device)
+
+    start = time.perf_counter()
+    if mode == "mfsdp-cudagraph":
+        step = capture_step(step, *batches[0], warmup_steps=run.warmup)
+        first_loss = step.warmup_outputs[0]
+    else:
+        first_loss = step(*batches[0])
+        for _ in range(run.warmup - 1):
+            step(*batches[0])
+    _sync(device)
+    warmup_s = time.perf_counter() - start
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step(*batches[1])
+        _sync(device)
+
+    memory.warmup_done()
+    times = []
+    for tokens, targets in tqdm(batches[2:], desc=mode, disable=dist.get_rank() != 0):
+        start = time.perf_counter()
+        loss = step(tokens, targets)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    result = {
+        "mode": mode,
+        "median_step_ms": 1e3 * statistics.median(times),
+        "step_ms": [1e3 * t for t in times],
+        "peak_memory_mib": memory.peak_mib(),
+        "memory_measure": memory.measure,
+        "warmup_s": warmup_s,
+        "loss_step0": float(first_loss),
+        "final_loss": float(loss),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "profiled_collectives": profiled_census(prof),
+    }
+    result["collectives"] = (
+        graph_census(backend.graphs) if backend is not None else result["profiled_collectives"]
+    )
+    if mode == "mfsdp-cudagraph":
+        step.teardown()
+    return result
+
+
+def agree_across_ranks(result: dict, device: torch.device) -> dict:
+    """Slowest rank's median and largest peak (a step waits for every rank); mean losses.
+
+    Each rank's loss is on its own batch; their mean is the loss of the global batch.
+    """
+    peak = result["peak_memory_mib"]
+    worst = torch.tensor([result["median_step_ms"], peak or 0.0], device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    losses = torch.tensor([result["loss_step0"], result["final_loss"]], device=device)
+    dist.all_reduce(losses)
+    losses /= dist.get_world_size()
+    return {
+        **result,
+        "median_step_ms": worst[0].item(),
+        "peak_memory_mib": None if peak is None else worst[1].item(),
+        "loss_step0": losses[0].item(),
+        "final_loss": losses[1].item(),
+    }

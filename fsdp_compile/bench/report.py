@@ -1,0 +1,112 @@
+"""What a bench run prints and writes: the machine, a table, ratios against FSDP2, JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_BASELINE = "fsdp2"
+
+
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def machine_info(device: torch.device) -> dict:
+    return {
+        "cpu": cpu_model(),
+        "cpu_cores": len(os.sched_getaffinity(0)),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "process_group": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def add_ratios(results: list[dict]) -> None:
+    """``speedup_vs_fsdp2`` = fsdp2 median / this median; ``memory_vs_fsdp2`` = peak / fsdp2's."""
+    base = next((r for r in results if r["mode"] == _BASELINE), None)
+    for r in results:
+        r["speedup_vs_fsdp2"] = base and base["median_step_ms"] / r["median_step_ms"]
+        both = base and base["peak_memory_mib"] and r["peak_memory_mib"] is not None
+        r["memory_vs_fsdp2"] = r["peak_memory_mib"] / base["peak_memory_mib"] if both else None
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _mib_per_step(census: dict) -> float | None:
+    if census["all_gather_bytes"] is None or census["reduce_scatter_bytes"] is None:
+        return None
+    return (census["all_gather_bytes"] + census["reduce_scatter_bytes"]) / 2**20
+
+
+_COLUMNS = (
+    ("mode", "<16"),
+    ("median ms", ">10"),
+    ("vs fsdp2", ">9"),
+    ("peak MiB", ">9"),
+    ("mem/fsdp2", ">10"),
+    ("AG/step", ">8"),
+    ("RS/step", ">8"),
+    ("MiB/step", ">9"),
+    ("warm-up s", ">10"),
+    ("loss@0", ">9"),
+    ("final loss", ">11"),
+)
+
+
+def _row(r: dict) -> tuple:
+    comms = r["collectives"]
+    return (
+        r["mode"],
+        _fmt(r["median_step_ms"], ".2f"),
+        _fmt(r["speedup_vs_fsdp2"], ".2f") + ("x" if r["speedup_vs_fsdp2"] else ""),
+        _fmt(r["peak_memory_mib"], ".1f"),
+        _fmt(r["memory_vs_fsdp2"], ".2f"),
+        comms["all_gather"],
+        comms["reduce_scatter"],
+        _fmt(_mib_per_step(comms), ".1f"),
+        _fmt(r["warmup_s"], ".1f"),
+        _fmt(r["loss_step0"], ".5f"),
+        _fmt(r["final_loss"], ".5f"),
+    )
+
+
+def print_report(document: dict) -> None:
+    machine, config, results = document["machine"], document["config"], document["results"]
+    where = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_cores']} cores"
+    print(
+        f"\n{where}; torch {machine['torch']}, {machine['process_group']}, "
+        f"world size {machine['world_size']}; preset {config['preset']}, "
+        f"{config['batch']} x {config['seq']} tokens per rank, {config['steps']} timed steps"
+    )
+    print("".join(format(name, spec) for name, spec in _COLUMNS))
+    for r in results:
+        print("".join(format(value, spec) for value, (_, spec) in zip(_row(r), _COLUMNS)))
+    if results:
+        print(f"peak memory: {results[0]['memory_measure']} (largest over ranks)")
+    for r in results:
+        print(f"collectives of {r['mode']}: {r['collectives']['counted_by']}")
+    for mode, reason in document["skipped"].items():
+        print(f"skipped {mode}: {reason}")
+    print(json.dumps(document), flush=True)
+
+
+def write_json(document: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(document, indent=2) + "\n")
