@@ -213,3 +213,21 @@ def make_batch(cfg: TransformerConfig, batch: int, seq: int, step: int, rank: in
     gen = torch.Generator().manual_seed(1000 * step + rank)
     tokens = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step_fn(forward, opt: torch.optim.Optimizer):
+    """The usual step as one callable: zero_grad, forward, loss, backward, optimizer step.
+
+    ``zero_grad(set_to_none=True)`` comes first so a CUDA-graph capture of this step
+    (``fsdp_compile.capture_step``) starts from no gradients and allocates them in its pool.
+    Returns ``step(tokens, targets) -> loss`` (detached).
+    """
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(forward(tokens), targets)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, capture_step, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn
+from fsdp_compile.models import TransformerConfig, train_step_fn
 from harness import build_model, global_batch, spawn
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -35,13 +35,7 @@ def _train_losses(rank, world, *, cfg: TransformerConfig, mp: bool, captured: bo
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
     forward = torch.compile(model, backend=MfsdpBackend(compiler="inductor", cuda_graph=True))
 
-    def train_step(tokens, targets):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(tokens), targets)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
+    train_step = train_step_fn(forward, opt)
     batches = [tuple(t.to(device) for t in global_batch(cfg, s, 1)) for s in range(STEPS)]
     if not captured:
         return [train_step(*b).float().cpu() for b in batches]

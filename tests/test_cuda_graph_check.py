@@ -98,21 +98,18 @@ def test_cpu_tensors_in_a_cpu_step_are_fine():
     check_cuda_graph(_graph_with(aten.add.Tensor, [host], host, trace=TRACE), plan=None)
 
 
-def test_sharded_transformer_passes_the_check():
-    """The collectives the backend inserts need no host sync, CPU tensor or resize."""
-    cfg = TransformerConfig()
-    with fake_process_group(8):
-        model = fully_shard(build_model(cfg))
-        backend = MfsdpBackend(compiler="eager", cuda_graph=True)
-        tokens, targets = make_batch(cfg, 2, 8, 0)
-        loss_fn(torch.compile(model, backend=backend, dynamic=False)(tokens), targets).backward()
-    assert len(backend.graphs) == 1
-
-
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
-def test_static_capacity_moe_passes_the_check(fused):
-    """Static-capacity routing needs no nonzero and no host sync: capturable as is."""
-    cfg = TransformerConfig(n_layers=2, n_experts=4, top_k=2, fused_experts=fused)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TransformerConfig(),
+        TransformerConfig(n_layers=2, n_experts=4, top_k=2, fused_experts=True),
+        TransformerConfig(n_layers=2, n_experts=4, top_k=2, fused_experts=False),
+    ],
+    ids=["transformer", "moe-fused-experts", "moe-modulelist-experts"],
+)
+def test_sharded_models_pass_the_check(cfg):
+    """The collectives the backend inserts need no host sync, CPU tensor or resize, and
+    static-capacity MoE routing needs no nonzero: all capturable as they are."""
     with fake_process_group(8):
         model = fully_shard(build_model(cfg))
         backend = MfsdpBackend(compiler="eager", cuda_graph=True)

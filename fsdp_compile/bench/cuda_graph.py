@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from fsdp_compile import MixedPrecision, capture_step, fully_shard
 from fsdp_compile.bench.presets import PRESETS
-from fsdp_compile.models import Transformer, loss_fn
+from fsdp_compile.models import Transformer, train_step_fn
 
 MODES = ("eager", "compiled", "compiled+cudagraph")
 
@@ -36,17 +36,6 @@ class BenchConfig:
     warmup: int = 3
 
 
-def _step_fn(model, forward, opt, cfg):
-    def train_step(tokens, targets):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(tokens), targets)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return train_step
-
-
 def run_mode(mode: str, bench: BenchConfig, device: torch.device) -> dict:
     cfg = PRESETS[bench.preset]
     torch.manual_seed(0)
@@ -59,7 +48,7 @@ def run_mode(mode: str, bench: BenchConfig, device: torch.device) -> dict:
     if mode != "eager":
         options = {"compiler": "inductor", "cuda_graph": mode.endswith("cudagraph")}
         forward = torch.compile(model, backend="mfsdp", options=options)
-    step = _step_fn(model, forward, opt, cfg)
+    step = train_step_fn(forward, opt)
     gen = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, cfg.vocab, (bench.batch, bench.seq + 1), device=device, generator=gen)
     inputs = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())

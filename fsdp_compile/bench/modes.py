@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from fsdp_compile import MfsdpBackend, MixedPrecision, capture_step, fully_shard
 from fsdp_compile.bench.comms import graph_census, profiled_census
 from fsdp_compile.bench.memory import PeakMemory
 from fsdp_compile.bench.presets import PRESETS
-from fsdp_compile.models import Transformer, loss_fn, make_batch
+from fsdp_compile.models import Transformer, make_batch, train_step_fn
 
 MODES = ("eager", "fsdp2", "mfsdp", "mfsdp-cudagraph")
 
@@ -81,18 +80,6 @@ def _build(mode: str, run: RunConfig, device: torch.device):
     return model, torch.compile(model, backend=backend), backend
 
 
-def _train_step(forward: Callable, opt: torch.optim.Optimizer) -> Callable:
-    # zero_grad first with set_to_none: a captured step must start from no gradients.
-    def train_step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(tokens), targets)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return train_step
-
-
 def _batches(run: RunConfig, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Warm-up batch, profiled batch, then one per timed step; this rank's share of each."""
     cfg, rank = PRESETS[run.preset], dist.get_rank()
@@ -112,7 +99,7 @@ def run_mode(mode: str, run: RunConfig, device: torch.device) -> dict:
     # capturable keeps AdamW's step count on the device, which capture needs; every mode
     # gets the same optimizer.
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, capturable=device.type == "cuda")
-    step = _train_step(forward, opt)
+    step = train_step_fn(forward, opt)
     batches = _batches(run, device)
 
     start = time.perf_counter()
