@@ -111,8 +111,15 @@ def _default_mesh(module: nn.Module) -> DeviceMesh:
             "fully_shard needs a process group: call torch.distributed.init_process_group() "
             "first (torchrun sets the environment), or pass mesh=init_device_mesh(...)."
         )
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    device = next((p.device for p in module.parameters()), torch.device("meta"))
+    # A model built on the meta device is materialised later (to_empty) on the device the
+    # process group serves: pick the mesh's device type from the backend, not from "meta".
+    device_type = device.type if device.type != "meta" else _backend_device_type()
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _backend_device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
@@ -198,13 +205,28 @@ def _gathered_property(name: str, info: ShardInfo) -> property:
     return property(functools.partial(_gathered, name=name, info=info))
 
 
+def _reattach_shard_info(self: nn.Module, fn, recurse: bool = True):
+    """``nn.Module._apply`` (``to_empty``, ``.to``, ``.cuda``, ``.float``) may wrap converted
+    tensors in new Parameter objects; give them back their sharding record."""
+    result = self._mfsdp_base._apply(self, fn, recurse)
+    for name, prop in self._mfsdp_props.items():
+        param = self._parameters[name]
+        if param is not None and shard_info(param) is None:
+            param._mfsdp = prop.fget.keywords["info"]
+    return result
+
+
 def _install_properties(module: nn.Module, props: dict[str, property]) -> None:
     """Swap ``module``'s class for a subclass whose ``props`` read parameters gathered."""
     cls = module.__class__
     base = getattr(cls, "_mfsdp_base", cls)
-    existing = {k: v for k, v in vars(cls).items() if k in getattr(cls, "_mfsdp_names", ())}
-    names = tuple({**existing, **props})
-    namespace = {**existing, **props, "_mfsdp_base": base, "_mfsdp_names": names}
+    props = {**getattr(cls, "_mfsdp_props", {}), **props}
+    namespace = {
+        **props,
+        "_mfsdp_base": base,
+        "_mfsdp_props": props,
+        "_apply": _reattach_shard_info,
+    }
     module.__class__ = type(f"Sharded{base.__name__}", (base,), namespace)
 
 
