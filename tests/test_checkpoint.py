@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdp_compile import MfsdpBackend, fully_shard
@@ -83,3 +84,24 @@ def test_state_dict_holds_shards_with_global_shapes():
     for name, value in state.items():
         assert isinstance(value, DTensor), name
         assert value.shape == reference[name].shape, name
+
+
+def _save_then_load_other_shapes(rank, world, *, path):
+    model, _, opt = _setup(TransformerConfig(), seed=0)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd}, checkpoint_id=path)
+    other, _, other_opt = _setup(TransformerConfig(hidden=96), seed=0)
+    state = {"model": get_state_dict(other, other_opt)[0]}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:  # a BaseException: DCP gathers every rank's failure
+        return str(error)
+    return "loaded"
+
+
+def test_loading_a_checkpoint_of_other_shapes_fails_on_every_rank(tmp_path):
+    """DCP checks shapes while planning the load, before any data moves: every rank raises
+    (``CheckpointException``, carrying each rank's error) naming the mismatched entry."""
+    messages = spawn(_save_then_load_other_shapes, 2, path=str(tmp_path / "ckpt"))
+    for message in messages:
+        assert "Size mismatch" in message and "model.layers.0.mlp.up" in message, message
