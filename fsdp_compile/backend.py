@@ -35,7 +35,6 @@ class MfsdpPartitioner(CustomPartitionerFn):
         self.plan = plan
         self.dumper = dumper
         self.pipeline = build_pipeline(plan)
-        self.joint: fx.GraphModule | None = None
         self.partitioned: tuple[fx.GraphModule, fx.GraphModule] | None = None
 
     def __call__(
@@ -45,7 +44,6 @@ class MfsdpPartitioner(CustomPartitionerFn):
         if dump:
             dump("joint", gm)
         gm = run_passes(gm, self.plan, self.pipeline, "joint", dump)
-        self.joint = gm
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         self.partitioned = (fw, bw)
         return fw, bw
