@@ -4,7 +4,13 @@
 places the all-gathers and reduce-scatters on the traced graph.
 """
 
-from fsdp_compile.api import MixedPrecision, fully_shard, is_fully_sharded, shard_info
+from fsdp_compile.api import (
+    MixedPrecision,
+    fully_shard,
+    is_fully_sharded,
+    set_requires_gradient_sync,
+    shard_info,
+)
 from fsdp_compile.capture import CapturedStep, capture_step
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend, _register, mfsdp_backend
 from fsdp_compile.errors import UsageError
@@ -19,6 +25,7 @@ install_optimizer_guard()
 __all__ = [
     "fully_shard",
     "MixedPrecision",
+    "set_requires_gradient_sync",
     "is_fully_sharded",
     "shard_info",
     "mfsdp_backend",

@@ -21,12 +21,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_compile.errors import UsageError
-from fsdp_compile.ops import unshard
+from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES, Strategy, unshard
 
-__all__ = ["fully_shard", "MixedPrecision", "ShardInfo", "shard_info", "is_fully_sharded"]
+__all__ = [
+    "fully_shard",
+    "MixedPrecision",
+    "ShardInfo",
+    "shard_info",
+    "is_fully_sharded",
+    "set_requires_gradient_sync",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,10 +91,17 @@ class ShardInfo:
     """The ``fully_shard`` call that owns it, by that module's class and id (a bucketing hint)."""
     global_shape: tuple[int, ...]
     """Shape of the unsharded parameter."""
+    strategy: Strategy
+    """What stays sharded between uses (see ``fully_shard``)."""
     group_name: str
-    """Process group the parameter is sharded over (the mesh's only dimension)."""
+    """Process group the parameter is sharded over (the mesh's shard dimension); for
+    ``no_shard`` the group its gradient is all-reduced over."""
     world: int
     """Ranks in that group."""
+    replicate_group_name: str
+    """HSDP: the group across replicas (the mesh's first dimension); "" without one."""
+    replicate_world: int
+    """Ranks in the replicate group (1 without one)."""
     reshard_after_forward: bool
     """Free the gathered parameter after forward and gather again in backward."""
     param_dtype: torch.dtype
@@ -131,8 +145,16 @@ def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
             f"fully_shard was already called on this {type(module).__name__}; call it once per "
             "module (submodules first, then the root)."
         )
-    if mesh is not None and mesh.ndim != 1:
-        raise UsageError(f"fully_shard takes a 1-D mesh, got a {mesh.ndim}-D mesh {mesh}.")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise UsageError(
+            f"mesh must be a DeviceMesh (torch.distributed.device_mesh.init_device_mesh), got "
+            f"{type(mesh).__name__}."
+        )
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise UsageError(
+            f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard) for HSDP, "
+            f"got a {mesh.ndim}-D mesh {mesh}."
+        )
     devices = {p.device for p in module.parameters() if not isinstance(p, DTensor)}
     if len(devices) > 1:
         raise UsageError(
@@ -167,6 +189,14 @@ def _managed_params(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
 # graph positions; every rank must shard the same modules in the same order (as with FSDP2).
 _param_ids = itertools.count()
 
+# Gradient accumulation state, by param_id (a tied parameter read through two modules has one
+# entry). While sync is off a parameter has an accumulator: a full-shape leaf whose ``.grad``
+# autograd sums the unreduced gradients into. Turning sync back on moves that sum to
+# ``_pending``; the next read hands it to the marker, whose backward adds it before the one
+# reduction. Module-level dicts, so Dynamo guards on them and recompiles when they change.
+_accumulators: dict[int, torch.Tensor] = {}
+_pending: dict[int, torch.Tensor] = {}
+
 
 def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
     param = self._parameters[name]
@@ -179,12 +209,15 @@ def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
             "(param.to_local().copy_(...))."
         )
     try:
-        shard = param.to_local()
         return unshard(
-            shard,
+            param.to_local(),
+            _accumulators.get(info.param_id),
+            _pending.pop(info.param_id, None),
+            info.param_id,
             info.global_shape[0],
             info.group_name,
-            info.param_id,
+            info.replicate_group_name,
+            info.strategy,
             info.param_dtype,
             info.reduce_dtype,
         )
@@ -216,6 +249,45 @@ def _reattach_shard_info(self: nn.Module, fn, recurse: bool = True):
     return result
 
 
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction off for the micro-batches before the last, and back on for it.
+
+    With sync off, backward runs no collective: each parameter's full, unreduced gradient is
+    summed locally (in ``reduce_dtype``; this costs one full-size gradient per parameter, as in
+    FSDP2). Turning sync on again makes the next forward/backward reduce that sum together with
+    its own gradient, once. Applies to every sharded parameter under ``module``; also a method
+    of modules ``fully_shard`` returned (``model.set_requires_gradient_sync(False)``).
+    """
+    if not isinstance(requires_gradient_sync, bool):
+        raise UsageError(
+            f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}."
+        )
+    for param in module.parameters():
+        info = shard_info(param)
+        if info is None or not param.requires_grad:
+            continue
+        if not requires_gradient_sync:
+            if info.param_id not in _accumulators:
+                _accumulators[info.param_id] = _accumulator(param, info)
+            continue
+        accumulator = _accumulators.pop(info.param_id, None)
+        if accumulator is not None and accumulator.grad is not None:
+            _pending[info.param_id] = accumulator.grad
+
+
+def _accumulator(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    # A full-shape leaf over one element of storage: only its .grad (full size) costs memory.
+    one = torch.zeros((), dtype=info.reduce_dtype, device=param.device)
+    return one.expand(info.global_shape).requires_grad_(True)
+
+
+def _set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) -> None:
+    set_requires_gradient_sync(self, requires_gradient_sync)
+
+
+_set_requires_gradient_sync.__doc__ = set_requires_gradient_sync.__doc__
+
+
 def _install_properties(module: nn.Module, props: dict[str, property]) -> None:
     """Swap ``module``'s class for a subclass whose ``props`` read parameters gathered."""
     cls = module.__class__
@@ -226,33 +298,83 @@ def _install_properties(module: nn.Module, props: dict[str, property]) -> None:
         "_mfsdp_base": base,
         "_mfsdp_props": props,
         "_apply": _reattach_shard_info,
+        "set_requires_gradient_sync": _set_requires_gradient_sync,
     }
     module.__class__ = type(f"Sharded{base.__name__}", (base,), namespace)
+
+
+def _check_strategy(
+    strategy: object, reshard_after_forward: object, mesh: DeviceMesh | None
+) -> bool:
+    """The strategy's checks; returns the effective ``reshard_after_forward``."""
+    if strategy not in STRATEGIES:
+        raise UsageError(
+            f"unknown strategy {strategy!r}; fully_shard takes one of {', '.join(STRATEGIES)} "
+            "(default optim_grads_params, ZeRO-3)."
+        )
+    if reshard_after_forward not in (None, True, False):
+        raise UsageError(
+            f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}."
+        )
+    if reshard_after_forward and strategy != "optim_grads_params":
+        raise UsageError(
+            f"strategy={strategy!r} keeps parameters unsharded from forward to backward, so "
+            "reshard_after_forward=True contradicts it; use strategy='optim_grads_params' to "
+            "reshard, or leave reshard_after_forward unset."
+        )
+    if strategy == "no_shard" and mesh is not None and mesh.ndim == 2:
+        raise UsageError(
+            "strategy='no_shard' replicates over the whole mesh; give it a 1-D mesh (a 2-D "
+            "replicate x shard mesh is for the sharded strategies, HSDP)."
+        )
+    return strategy == "optim_grads_params" and reshard_after_forward is not False
+
+
+def _placements(strategy: str, mesh: DeviceMesh) -> list:
+    if strategy not in GATHERING_STRATEGIES:
+        return [Replicate()]
+    return [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
 
 
 def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    strategy: Strategy = "optim_grads_params",
+    reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecision | None = None,
 ) -> nn.Module:
-    """Shard every parameter of ``module`` not yet sharded on dim 0 over ``mesh`` (ZeRO-3).
+    """Shard every parameter of ``module`` not yet sharded over ``mesh``.
 
+    ``strategy`` says what stays sharded between uses (docs/user_guide.md has the table):
+    ``"optim_grads_params"`` (ZeRO-3, default) parameters, gradients and optimizer state;
+    ``"optim_grads"`` (ZeRO-2) gradients and optimizer state: parameters are gathered once in
+    forward and kept until backward is done; ``"optim"`` (ZeRO-1) only the optimizer state:
+    gradients are all-reduced whole, each rank keeps its rows; ``"no_shard"`` (DDP) nothing:
+    parameters are ``Replicate()`` DTensors and gradients are all-reduced.
+
+    ``mesh`` is 1-D, or 2-D ``(replicate, shard)`` for HSDP: gathers and reduce-scatters stay
+    in the shard dimension, gradients are then all-reduced across the replicate dimension.
     Call it on submodules first (each call is a unit, a bucketing hint), then on the root.
-    Parameters become ``Shard(0)`` DTensors holding this rank's rows; buffers stay replicated.
-    Reads of a sharded attribute return the full tensor, gathered; its gradient is averaged over
-    the mesh and lands as this rank's ``Shard(0)`` DTensor ``.grad``. ``mp_policy`` sets the
+    Parameters become DTensors (``Shard(0)``, or ``Replicate()`` for no_shard) holding this
+    rank's rows; buffers stay replicated. Reads of a sharded attribute return the full tensor,
+    gathered; its gradient is averaged over the mesh and lands as ``.grad`` with the
+    parameter's placements. ``reshard_after_forward`` (ZeRO-3 only; default True) frees the
+    gathered parameter after forward and gathers again in backward. ``mp_policy`` sets the
     dtypes of the gather and of the gradient reduction. Returns ``module``.
     """
     _check_module(module, mesh)
+    reshard_after_forward = _check_strategy(strategy, reshard_after_forward, mesh)
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise UsageError(
             f"mp_policy must be fsdp_compile.MixedPrecision, got {type(mp_policy).__name__}."
         )
     mp_policy = mp_policy or MixedPrecision()
     mesh = mesh if mesh is not None else _default_mesh(module)
-    group_name = mesh.get_group().group_name
+    shard_dim = mesh.ndim - 1
+    group_name = mesh.get_group(shard_dim).group_name
+    replicate_group_name = mesh.get_group(0).group_name if mesh.ndim == 2 else ""
+    placements = _placements(strategy, mesh)
     unit = f"{type(module).__name__}@{id(module):x}"
 
     params = _managed_params(module)
@@ -267,14 +389,17 @@ def fully_shard(
             fqn=fqn,
             unit=unit,
             global_shape=tuple(param.shape),
+            strategy=strategy,
             group_name=group_name,
-            world=mesh.size(),
+            world=mesh.size(shard_dim),
+            replicate_group_name=replicate_group_name,
+            replicate_world=mesh.size(0) if replicate_group_name else 1,
             reshard_after_forward=reshard_after_forward,
             **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(param.dtype))),
         )
         # Each rank already holds the full tensor, so cut locally (src_data_rank=None):
         # no broadcast runs and ranks must have been seeded alike, as with FSDP2.
-        dtensor = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
+        dtensor = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
         new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         new_param._mfsdp = info
         # Modules outside this call may still hold ``param`` (ties across units): leave a
@@ -289,7 +414,8 @@ def fully_shard(
                 new_param = sharded[id(param)]
                 submodule._parameters[name] = new_param
                 props[name] = _gathered_property(name, new_param._mfsdp)
-        if props:
+        if props or submodule is module:
+            # The unit's own module gets the class too, for set_requires_gradient_sync.
             _install_properties(submodule, props)
     module._mfsdp_unit = unit
     return module

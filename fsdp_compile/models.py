@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,8 @@ class TransformerConfig:
     max_seq: int = 32
     graph_break_after: int | None = None
     """Insert ``torch._dynamo.graph_break()`` after this block (tests graph breaks)."""
+    checkpoint_blocks: bool = False
+    """Run each block under ``torch.utils.checkpoint`` (activation checkpointing)."""
     n_experts: int = 0
     """0: dense SwiGLU MLPs; otherwise each block's MLP is a mixture of this many experts."""
     top_k: int = 2
@@ -198,7 +201,10 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for i, layer in enumerate(self.layers):
-            x = layer(x)
+            if self.cfg.checkpoint_blocks:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
             if i == self.cfg.graph_break_after:
                 torch._dynamo.graph_break()
         return self.head(self.norm(x))

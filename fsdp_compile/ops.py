@@ -1,7 +1,7 @@
 """The two markers every sharded parameter use goes through.
 
-``unshard(shard, ..., param_id)`` stands where a module reads a sharded parameter; its autograd backward is
-``reduce_grad(full_grad)``. Both are real collectives when run eagerly (the uncompiled
+``unshard(shard, ...)`` stands where a module reads a sharded parameter; its autograd backward is
+``reduce_grad(full_grad, ...)``. Both are real collectives when run eagerly (the uncompiled
 baseline), and both are opaque single nodes to Dynamo and AOTAutograd, so the backend finds
 every parameter use and every gradient in the joint graph and lowers them to functional
 collectives it can schedule (see NOTE: why markers, in docs/design.md).
@@ -9,17 +9,46 @@ collectives it can schedule (see NOTE: why markers, in docs/design.md).
 Shards follow ``torch.chunk`` / DTensor ``Shard(0)`` semantics: with ``rows = ceil(n / world)``
 rank ``r`` holds rows ``[r * rows, min((r + 1) * rows, n))``, possibly none. Collectives need equal
 pieces, so each piece is zero-padded to ``rows`` on the wire and the padding is sliced away.
+
+What each strategy does (``Strategy``; docs/user_guide.md has the table):
+
+- ``optim_grads_params`` / ``optim_grads``: all-gather forward; reduce-scatter the gradient.
+- ``optim``: all-gather forward; all-reduce the gradient; ``.grad`` is this rank's rows, a view
+  of the whole averaged gradient every rank keeps.
+- ``no_shard``: the local tensor is the whole parameter; all-reduce the gradient.
+
+With a replicate group (HSDP) the reduced gradient is then all-reduced across replicas.
+Gradient accumulation: given an ``accumulator`` the backward reduces nothing and hands the full
+gradient to the accumulator (autograd sums it into ``accumulator.grad``); given ``pending``
+(the sum of earlier micro-batches) the backward adds it before the one reduction.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["unshard", "reduce_grad", "padded_rows", "local_rows"]
+__all__ = [
+    "unshard",
+    "reduce_grad",
+    "padded_rows",
+    "local_rows",
+    "Strategy",
+    "STRATEGIES",
+    "GATHERING_STRATEGIES",
+    "SCATTERING_STRATEGIES",
+]
 
+Strategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
+STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+GATHERING_STRATEGIES = frozenset(STRATEGIES) - {"no_shard"}
+"""Strategies whose parameters are stored sharded and gathered for use."""
+SCATTERING_STRATEGIES = frozenset({"optim_grads", "optim_grads_params"})
+"""Strategies whose gradients are reduce-scattered (the others all-reduce)."""
 
 # torch 2.13 names these *_single and deprecates the *_tensor spellings; older torch (the
 # GPU images we benchmark on) only has the latter.
@@ -50,76 +79,117 @@ def pad_rows(tensor: Tensor, rows: int) -> Tensor:
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
 def unshard(
     shard: Tensor,
+    accumulator: Tensor | None,
+    pending: Tensor | None,
+    param_id: int,
     global_rows: int,
     group_name: str,
-    param_id: int,
+    replicate_group_name: str,
+    strategy: str,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
 ) -> Tensor:
-    """Cast a dim-0 shard to ``param_dtype`` and all-gather it into ``global_rows`` rows.
+    """Cast the local tensor to ``param_dtype`` and, for sharded strategies, all-gather it
+    into ``global_rows`` rows over ``group_name``.
 
-    The cast comes first so the wire carries ``param_dtype`` (bf16 under mixed precision);
-    ``reduce_dtype`` is only for the backward, which reduces the gradient in it.
+    The cast comes first so the wire carries ``param_dtype`` (bf16 under mixed precision). The
+    remaining arguments are for the backward (see the module docstring).
     """
+    local = shard.to(param_dtype)
+    if strategy not in GATHERING_STRATEGIES:
+        return local.clone() if local is shard else local
     group = _resolve_process_group(group_name)
     world = group.size()
     rows = padded_rows(global_rows, world)
-    piece = pad_rows(shard.to(param_dtype), rows).contiguous()
+    piece = pad_rows(local, rows).contiguous()
     gathered = piece.new_empty((rows * world, *shard.shape[1:]))
     _all_gather(gathered, piece, group=group)
     return gathered[:global_rows]
 
 
 @unshard.register_fake
-def _(shard, global_rows, group_name, param_id, param_dtype, reduce_dtype) -> Tensor:
+def _(shard, accumulator, pending, param_id, global_rows, group_name, replicate_group_name,
+      strategy, param_dtype, reduce_dtype) -> Tensor:
     return shard.new_empty((global_rows, *shard.shape[1:]), dtype=param_dtype)
 
 
 @torch.library.custom_op("fsdp_compile::reduce_grad", mutates_args=())
 def reduce_grad(
     full_grad: Tensor,
+    pending: Tensor | None,
+    param_id: int,
     shard_rows: int,
     group_name: str,
-    param_id: int,
+    replicate_group_name: str,
+    strategy: str,
     reduce_dtype: torch.dtype,
     shard_dtype: torch.dtype,
 ) -> Tensor:
-    """Reduce-scatter a full gradient in ``reduce_dtype`` and average it over the group.
+    """Average ``full_grad`` (+ ``pending``) over the group in ``reduce_dtype`` and return
+    this rank's ``shard_rows`` rows in ``shard_dtype``.
 
-    Returns this rank's rows in ``shard_dtype`` (the stored parameter's dtype), so under mixed
-    precision an fp32 reduction lands as an fp32 ``.grad`` without a detour through bf16.
+    ``shard_dtype`` is the stored parameter's dtype, so under mixed precision an fp32 reduction
+    lands as an fp32 ``.grad`` without a detour through bf16. SUM then divide: gloo has no AVG
+    reduce op, and one code path keeps ranks bitwise alike.
     """
     group = _resolve_process_group(group_name)
     world = group.size()
-    rows = padded_rows(full_grad.shape[0], world)
-    grad = pad_rows(full_grad.to(reduce_dtype), rows * world).contiguous()
-    shard = grad.new_empty((rows, *full_grad.shape[1:]))
-    # SUM then divide: gloo has no AVG reduce op, and one code path keeps ranks bitwise alike.
-    _reduce_scatter(shard, grad, group=group)
-    return shard[:shard_rows].div_(world).to(shard_dtype)
+    grad = full_grad.to(reduce_dtype)
+    if pending is not None:
+        grad = grad + pending
+    if strategy in SCATTERING_STRATEGIES:
+        rows = padded_rows(full_grad.shape[0], world)
+        padded = pad_rows(grad, rows * world).contiguous()
+        reduced = padded.new_empty((rows, *full_grad.shape[1:]))
+        _reduce_scatter(reduced, padded, group=group)
+        first = 0
+    else:
+        reduced = grad.contiguous().clone() if grad is full_grad else grad.contiguous()
+        dist.all_reduce(reduced, group=group)
+        first = padded_rows(full_grad.shape[0], world) * group.rank() if strategy == "optim" else 0
+    divisor = world
+    if replicate_group_name:
+        replicas = _resolve_process_group(replicate_group_name)
+        dist.all_reduce(reduced, group=replicas)
+        divisor *= replicas.size()
+    # Divide before taking the rows: for ``optim`` the rows stay a view of the whole averaged
+    # gradient, which every rank keeps (ZeRO-1 shards only the optimizer state).
+    return reduced.div_(divisor)[first : first + shard_rows].to(shard_dtype)
 
 
 @reduce_grad.register_fake
-def _(full_grad, shard_rows, group_name, param_id, reduce_dtype, shard_dtype) -> Tensor:
+def _(full_grad, pending, param_id, shard_rows, group_name, replicate_group_name, strategy,
+      reduce_dtype, shard_dtype) -> Tensor:
     return full_grad.new_empty((shard_rows, *full_grad.shape[1:]), dtype=shard_dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _global_rows, ctx.group_name, ctx.param_id, _param_dtype, ctx.reduce_dtype = inputs
+    (shard, accumulator, pending, ctx.param_id, _rows, ctx.group_name, ctx.replicate_group_name,
+     ctx.strategy, _param_dtype, ctx.reduce_dtype) = inputs
     ctx.shard_rows = shard.shape[0]
     ctx.shard_dtype = shard.dtype
+    ctx.accumulates = accumulator is not None
+    ctx.save_for_backward(pending)
 
 
 def _unshard_backward(ctx, grad: Tensor):
+    if ctx.accumulates:
+        # A micro-batch without gradient sync: no collective; autograd sums the full
+        # gradient into accumulator.grad, in reduce_dtype so bf16 compute accumulates in fp32.
+        return None, grad.to(ctx.reduce_dtype), None, None, None, None, None, None, None, None
+    (pending,) = ctx.saved_tensors
     reduced = reduce_grad(
         grad.contiguous(),
+        pending,
+        ctx.param_id,
         ctx.shard_rows,
         ctx.group_name,
-        ctx.param_id,
+        ctx.replicate_group_name,
+        ctx.strategy,
         ctx.reduce_dtype,
         ctx.shard_dtype,
     )
-    return reduced, None, None, None, None, None
+    return reduced, None, None, None, None, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

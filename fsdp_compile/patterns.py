@@ -4,9 +4,12 @@ The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = onl
 
     traced (Dynamo / joint graph, before lowering)
         shard ── fsdp_compile.unshard ──> use            grad ── fsdp_compile.reduce_grad ──> .grad
-    lowered (joint graph)
-        shard ─[pad]─ all_gather_into_tensor ─ wait_tensor ─[slice]─ view* ──> use
-        grad ─[pad]─ reduce_scatter_tensor ─ wait_tensor ─[slice]─ div ──> .grad
+    lowered (joint graph; casts only under mixed precision, [+ pending] only after accumulation)
+        shard ─[cast]─[pad]─ all_gather_into_tensor ─ wait_tensor ─[slice]─ view* ──> use
+        grad ─[cast]─[+ pending]─[pad]─ reduce_scatter_tensor ─ wait_tensor
+             ─[all_reduce ─ wait_tensor]─[slice]─ div ─[cast]──> .grad     (ZeRO-2/3, [HSDP])
+        grad ─[cast]─[+ pending]─ all_reduce ─ wait_tensor ─[slice]─ div ─[cast]──> .grad
+                                                                           (no_shard, optim)
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ UNSHARD = torch.ops.fsdp_compile.unshard.default
 REDUCE_GRAD = torch.ops.fsdp_compile.reduce_grad.default
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
-COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
+COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
 MARKERS = {UNSHARD: "unshard", REDUCE_GRAD: "reduce_grad"}
 
 
@@ -53,8 +57,12 @@ def is_reduce_scatter(node: fx.Node) -> bool:
     return _calls(node, REDUCE_SCATTER)
 
 
+def is_all_reduce(node: fx.Node) -> bool:
+    return _calls(node, ALL_REDUCE)
+
+
 def is_collective(node: fx.Node) -> bool:
-    return is_all_gather(node) or is_reduce_scatter(node)
+    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
 
 
 def is_wait(node: fx.Node) -> bool:
@@ -70,19 +78,24 @@ def is_view(node: fx.Node) -> bool:
 
 
 def marker_param_id(node: fx.Node) -> int:
-    """The ``param_id`` a marker node carries (its last argument)."""
+    """The ``param_id`` a marker node carries."""
     assert is_marker(node), node.format_node()
-    return node.args[3] if len(node.args) > 3 else node.kwargs["param_id"]
+    schema = (UNSHARD if is_unshard(node) else REDUCE_GRAD)._schema
+    index = next(i for i, a in enumerate(schema.arguments) if a.name == "param_id")
+    return node.args[index] if len(node.args) > index else node.kwargs["param_id"]
 
 
 def count_collectives(graph: fx.Graph) -> Counter[str]:
-    """Collectives and markers in ``graph`` by kind: all_gather, reduce_scatter, unshard, ..."""
+    """Collectives and markers in ``graph`` by kind: all_gather, reduce_scatter, all_reduce,
+    unshard, reduce_grad."""
     kinds = Counter()
     for node in graph.nodes:
         if is_all_gather(node):
             kinds["all_gather"] += 1
         elif is_reduce_scatter(node):
             kinds["reduce_scatter"] += 1
+        elif is_all_reduce(node):
+            kinds["all_reduce"] += 1
         elif is_unshard(node):
             kinds["unshard"] += 1
         elif is_reduce_grad(node):

@@ -36,6 +36,12 @@ def build_pipeline(plan: Plan) -> list[Pass]:
     pipeline = [
         Pass("dedupe_unshards", "dynamo", passes.dedupe_unshards, passes.check_dedupe_unshards),
         Pass("check_rank_agreement", "dynamo", passes.check_rank_agreement, rewrites=False),
+        Pass(
+            "constant_opaque_outputs",
+            "joint",
+            passes.constant_opaque_outputs,
+            passes.check_constant_opaque_outputs,
+        ),
         Pass("lower_collectives", "joint", passes.lower_collectives, passes.check_lower_collectives),
         Pass("reshard", "joint", passes.reshard, passes.check_reshard),
     ]

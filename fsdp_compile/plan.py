@@ -10,9 +10,11 @@ from typing import Literal
 
 import torch
 from torch import fx, nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_compile.api import shard_info
 from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.ops import GATHERING_STRATEGIES, SCATTERING_STRATEGIES
 
 __all__ = ["ParamPlan", "Plan", "BackendOptions", "build_plan"]
 
@@ -77,14 +79,32 @@ class ParamPlan:
     """Dtype on the wire and in the compute (mixed precision)."""
     reduce_dtype: str
     """Dtype of the gradient reduce-scatter."""
+    strategy: str
+    """Sharding strategy (``fully_shard(strategy=...)``): decides the collectives."""
     group_name: str
-    """Process group of its all-gather and reduce-scatter."""
+    """Process group of its all-gather and gradient reduction (the mesh's shard dimension)."""
     world: int
     """Ranks in that group."""
+    rank: int
+    """This rank's index in that group (``optim`` keeps these rows of the all-reduced gradient)."""
+    replicate_group_name: str
+    """HSDP: group the reduced gradient is then all-reduced over; "" without one."""
+    replicate_world: int
+    """Ranks in the replicate group (1 without one)."""
     requires_grad: bool
     """False for frozen parameters: gathered, never reduce-scattered."""
     reshard_after_forward: bool
     """True: the backward gathers again; False: the forward saves the gathered tensor."""
+
+    @property
+    def gathers(self) -> bool:
+        """Stored sharded and all-gathered for use (all strategies but ``no_shard``)."""
+        return self.strategy in GATHERING_STRATEGIES
+
+    @property
+    def scatters(self) -> bool:
+        """Gradient reduce-scattered (ZeRO-2/3); else all-reduced."""
+        return self.strategy in SCATTERING_STRATEGIES
 
     @property
     def padded_rows(self) -> int:
@@ -169,8 +189,12 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
                 dtype=_dtype_name(local.dtype),
                 param_dtype=_dtype_name(info.param_dtype),
                 reduce_dtype=_dtype_name(info.reduce_dtype),
+                strategy=info.strategy,
                 group_name=info.group_name,
                 world=info.world,
+                rank=_resolve_process_group(info.group_name).rank(),
+                replicate_group_name=info.replicate_group_name,
+                replicate_world=info.replicate_world,
                 requires_grad=value.requires_grad,
                 reshard_after_forward=info.reshard_after_forward,
             )

@@ -177,3 +177,43 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def max_param_error(actual: dict, expected: dict) -> tuple[float, str]:
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
     return max((relative_error(actual[n], expected[n]), n) for n in expected)
+
+
+TOLERANCE = 1e-5
+"""Relative 2-norm error allowed between sharded fp32 training and the reference."""
+
+
+def parity_run(rank, world, *, cfg, modes, mesh_shape=None, **shard_options):
+    """Train once per mode (``none`` = uncompiled markers, else the mfsdp compiler by name) and
+    return each mode's loss and parameter errors against the unsharded reference.
+
+    ``shard_options`` go to ``fully_shard`` (strategy, reshard_after_forward, ...);
+    ``mesh_shape`` builds the mesh in the rank (e.g. ``(2, 2)`` for HSDP).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compile import MfsdpBackend, fully_shard
+
+    ref_losses, ref_params = reference(cfg, world)
+    results = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        if mesh_shape is not None:
+            shard_options["mesh"] = init_device_mesh("cpu", mesh_shape)
+        model = fully_shard(build_model(cfg), **shard_options)
+        forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
+        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank)))
+        error, worst = max_param_error(full_parameters(model), ref_params)
+        results[mode] = {
+            "loss_error": relative_error(losses, ref_losses),
+            "param_error": error,
+            "worst_param": worst,
+        }
+    return results
+
+
+def assert_parity(results, tolerance: float = TOLERANCE):
+    for rank_result in results:
+        for mode, r in rank_result.items():
+            assert r["loss_error"] < tolerance, (mode, r)
+            assert r["param_error"] < tolerance, (mode, r)

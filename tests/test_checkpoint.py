@@ -6,6 +6,7 @@ and loads them into any other sharding; the optimizer state is sharded the same 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -38,22 +39,23 @@ def _steps(model, forward, opt, cfg, steps, rank, world):
     return mean_over_ranks(torch.stack(losses)) if world > 1 else torch.stack(losses)
 
 
-def _setup(cfg, seed):
-    model = fully_shard(build_model(cfg, seed=seed))
+def _setup(cfg, seed, strategy="optim_grads_params"):
+    model = fully_shard(build_model(cfg, seed=seed), strategy=strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, torch.compile(model, backend=MfsdpBackend(compiler="eager")), opt
 
 
-def _train_save_continue(rank, world, *, cfg, path):
-    model, forward, opt = _setup(cfg, seed=0)
+def _train_save_continue(rank, world, *, cfg, path, strategy="optim_grads_params"):
+    model, forward, opt = _setup(cfg, seed=0, strategy=strategy)
     _steps(model, forward, opt, cfg, range(SAVE_AFTER), rank, world)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     return _steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
 
 
-def _load_continue(rank, world, *, cfg, path):
-    model, forward, opt = _setup(cfg, seed=1)  # other weights: only the checkpoint can fix them
+def _load_continue(rank, world, *, cfg, path, strategy="optim_grads_params"):
+    # Other weights: only the checkpoint can fix them.
+    model, forward, opt = _setup(cfg, seed=1, strategy=strategy)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -68,6 +70,25 @@ def test_save_on_4_load_on_2_and_1_resumes_the_same_losses(tmp_path):
     for world in (2, 1):
         resumed = spawn(_load_continue, world, cfg=cfg, path=path)[0]
         assert relative_error(resumed, uninterrupted) < 1e-5, (world, resumed, uninterrupted)
+
+
+# Each checkpoint is loaded under the next strategy: the files do not depend on the strategy
+# that wrote them (DCP reshards Shard(0) and Replicate() entries alike).
+NEXT_STRATEGY = {
+    "no_shard": "optim",
+    "optim": "optim_grads",
+    "optim_grads": "optim_grads_params",
+    "optim_grads_params": "no_shard",
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(NEXT_STRATEGY))
+def test_every_strategy_saves_on_4_and_resumes_on_2_under_another(tmp_path, strategy):
+    cfg = TransformerConfig(n_layers=2)
+    path = str(tmp_path / "ckpt")
+    uninterrupted = spawn(_train_save_continue, 4, cfg=cfg, path=path, strategy=strategy)[0]
+    resumed = spawn(_load_continue, 2, cfg=cfg, path=path, strategy=NEXT_STRATEGY[strategy])[0]
+    assert relative_error(resumed, uninterrupted) < 1e-5, (resumed, uninterrupted)
 
 
 def test_state_dict_holds_shards_with_global_shapes():

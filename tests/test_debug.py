@@ -42,10 +42,11 @@ def test_dump_folder_holds_every_promised_file(tmp_path):
         "00_dynamo.py",
         "01_dedupe_unshards.py",
         "02_joint.py",
-        "03_lower_collectives.py",
-        "04_reshard.py",
-        "05_forward.py",
-        "06_backward.py",
+        "03_constant_opaque_outputs.py",
+        "04_lower_collectives.py",
+        "05_reshard.py",
+        "06_forward.py",
+        "07_backward.py",
     ]
     readme = (folder / "README.md").read_text()
     assert all(f in readme for f in ("plan.json", "schedule.json", "timeline.png", "frames/"))

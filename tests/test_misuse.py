@@ -50,11 +50,37 @@ def test_zero_dim_parameter():
             fully_shard(model)
 
 
-def test_two_dimensional_mesh():
+def test_three_dimensional_mesh():
+    with fake_process_group(8):
+        mesh = init_device_mesh("cpu", (2, 2, 2))
+        with pytest.raises(ValueError, match="1-D mesh .* or a 2-D mesh"):
+            fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+def test_unknown_strategy():
+    with fake_process_group(2):
+        with pytest.raises(ValueError, match="unknown strategy 'zero3'.*optim_grads_params"):
+            fully_shard(nn.Linear(4, 4), strategy="zero3")
+
+
+def test_reshard_with_a_strategy_that_keeps_parameters_gathered():
+    with fake_process_group(2):
+        with pytest.raises(ValueError, match="reshard_after_forward=True contradicts"):
+            fully_shard(nn.Linear(4, 4), strategy="optim_grads", reshard_after_forward=True)
+
+
+def test_no_shard_on_a_2d_mesh():
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", (2, 2))
-        with pytest.raises(ValueError, match="1-D mesh"):
-            fully_shard(nn.Linear(4, 4), mesh=mesh)
+        with pytest.raises(ValueError, match="no_shard.*1-D mesh"):
+            fully_shard(nn.Linear(4, 4), mesh=mesh, strategy="no_shard")
+
+
+def test_gradient_sync_flag_that_is_not_a_bool():
+    with fake_process_group(2):
+        model = fully_shard(nn.Linear(4, 4))
+        with pytest.raises(ValueError, match="True or False"):
+            model.set_requires_gradient_sync(0)
 
 
 def test_mp_policy_of_the_wrong_type():

@@ -13,44 +13,15 @@ import torch
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.models import TransformerConfig
 from harness import (
+    assert_parity,
     build_model,
-    full_parameters,
-    max_param_error,
-    mean_over_ranks,
+    parity_run,
     rank_batches,
-    reference,
     relative_error,
     spawn,
-    train,
 )
 
-TOLERANCE = 1e-5
-
-
-def _run_modes(rank, world, *, cfg, modes, reshard_after_forward):
-    """Train once per mode (``none`` = uncompiled markers, else the mfsdp compiler) and return
-    each mode's losses and parameter errors against the reference."""
-    ref_losses, ref_params = reference(cfg, world)
-    results = {}
-    for mode in modes:
-        torch._dynamo.reset()
-        model = fully_shard(build_model(cfg), reshard_after_forward=reshard_after_forward)
-        forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
-        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank)))
-        error, worst = max_param_error(full_parameters(model), ref_params)
-        results[mode] = {
-            "loss_error": relative_error(losses, ref_losses),
-            "param_error": error,
-            "worst_param": worst,
-        }
-    return results
-
-
-def _assert_parity(results):
-    for rank_result in results:
-        for mode, r in rank_result.items():
-            assert r["loss_error"] < TOLERANCE, (mode, r)
-            assert r["param_error"] < TOLERANCE, (mode, r)
+from harness import TOLERANCE
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
@@ -59,27 +30,27 @@ def test_sharded_training_matches_unsharded_reference(world, reshard_after_forwa
     """Uncompiled markers and the compiled graphs (eager runner) both train like one process."""
     cfg = TransformerConfig()
     results = spawn(
-        _run_modes,
+        parity_run,
         world,
         cfg=cfg,
         modes=("none", "eager"),
         reshard_after_forward=reshard_after_forward,
     )
-    _assert_parity(results)
+    assert_parity(results)
 
 
 def test_inductor_matches_unsharded_reference():
     """The Inductor path generates kernels around the same collectives: same numbers."""
     cfg = TransformerConfig(n_layers=2)
-    results = spawn(_run_modes, 2, cfg=cfg, modes=("inductor",), reshard_after_forward=True)
-    _assert_parity(results)
+    results = spawn(parity_run, 2, cfg=cfg, modes=("inductor",), reshard_after_forward=True)
+    assert_parity(results)
 
 
 def test_graph_break_trains_to_parity():
     """A graph break mid-model: each frame gathers what it reads, gradients still average."""
     cfg = TransformerConfig(graph_break_after=0)
-    results = spawn(_run_modes, 2, cfg=cfg, modes=("eager",), reshard_after_forward=True)
-    _assert_parity(results)
+    results = spawn(parity_run, 2, cfg=cfg, modes=("eager",), reshard_after_forward=True)
+    assert_parity(results)
 
 
 def _grad_shards(rank, world, *, cfg, mode):
@@ -129,5 +100,5 @@ def test_moe_trains_to_parity(fused):
     """MoE blocks (no token dropped: capacity covers every choice, so routing is per token
     and the global-batch reference routes identically), both expert forms."""
     cfg = TransformerConfig(n_layers=2, n_experts=4, top_k=2, capacity_factor=2.0, fused_experts=fused)
-    results = spawn(_run_modes, 2, cfg=cfg, modes=("none", "eager"), reshard_after_forward=True)
-    _assert_parity(results)
+    results = spawn(parity_run, 2, cfg=cfg, modes=("none", "eager"), reshard_after_forward=True)
+    assert_parity(results)

@@ -2,8 +2,8 @@
 
 Random depth, widths (primes included), biases, a tied square layer read through two modules,
 a frozen layer, a custom autograd.Function and an optional graph break; world size 2 or 4;
-both reshard settings; 3 AdamW steps against the one-process reference. The sharding-strategy
-axis joins once strategies other than ZeRO-3 exist.
+every sharding strategy, and both reshard settings for ZeRO-3 (the flag means nothing to the
+others); 3 AdamW steps against the one-process reference.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.models import FusedLinear
+from fsdp_compile.ops import STRATEGIES
 from harness import full_parameters, max_param_error, mean_over_ranks, relative_error, spawn
 
 WIDTHS = st.sampled_from([1, 2, 3, 5, 7, 8, 11, 13, 16])
@@ -78,7 +79,7 @@ def _train(model, forward, batches, steps=3):
     return torch.stack(losses)
 
 
-def _property_run(rank, world, *, spec, reshard, mode):
+def _property_run(rank, world, *, spec, strategy, reshard, mode):
     def global_batch(step):
         parts = [_batch(spec, step, r) for r in range(world)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -87,20 +88,31 @@ def _property_run(rank, world, *, spec, reshard, mode):
     reference = RandomModel(spec)
     ref_losses = _train(reference, reference, global_batch)
     torch.manual_seed(0)
-    model = fully_shard(RandomModel(spec), reshard_after_forward=reshard)
+    model = fully_shard(RandomModel(spec), strategy=strategy, reshard_after_forward=reshard)
     forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
     losses = mean_over_ranks(_train(model, forward, lambda step: _batch(spec, step, rank)))
     error, worst = max_param_error(full_parameters(model), {n: p.detach() for n, p in reference.named_parameters()})
     return relative_error(losses, ref_losses), error, worst
 
 
+# (strategy, reshard_after_forward): None lets the strategy decide.
+LAYOUTS = st.sampled_from(
+    [(s, None) for s in STRATEGIES if s != "optim_grads_params"]
+    + [("optim_grads_params", True), ("optim_grads_params", False)]
+)
+
+
 @given(
     spec=model_specs(),
     world=st.sampled_from([2, 4]),
-    reshard=st.booleans(),
+    layout=LAYOUTS,
     mode=st.sampled_from(["eager", "none"]),
 )
-def test_random_models_train_sharded_like_unsharded(spec, world, reshard, mode):
-    for loss_error, param_error, worst in spawn(_property_run, world, spec=spec, reshard=reshard, mode=mode):
-        assert loss_error < 1e-5, (spec, loss_error)
-        assert param_error < 1e-5, (spec, param_error, worst)
+def test_random_models_train_sharded_like_unsharded(spec, world, layout, mode):
+    strategy, reshard = layout
+    results = spawn(
+        _property_run, world, spec=spec, strategy=strategy, reshard=reshard, mode=mode
+    )
+    for loss_error, param_error, worst in results:
+        assert loss_error < 1e-5, (spec, layout, loss_error)
+        assert param_error < 1e-5, (spec, layout, param_error, worst)

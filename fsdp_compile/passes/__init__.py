@@ -2,12 +2,16 @@
 
 Order (see ``fsdp_compile.pipeline.build_pipeline``):
   Dynamo graph:  dedupe_unshards -> check_rank_agreement
-  joint graph:   lower_collectives -> reshard -> (min-cut partition)
+  joint graph:   constant_opaque_outputs -> lower_collectives -> reshard -> (min-cut partition)
   partitioned:   check_cuda_graph (forward and backward; only with options["cuda_graph"])
 """
 
 from fsdp_compile.passes.check_cuda_graph import CudaGraphIncompatible, check_cuda_graph
 from fsdp_compile.passes.check_rank_agreement import check_rank_agreement, collective_fingerprint
+from fsdp_compile.passes.constant_opaque_outputs import (
+    check_constant_opaque_outputs,
+    constant_opaque_outputs,
+)
 from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_unshards
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
 from fsdp_compile.passes.reshard import check_reshard, reshard, saved_gathered_params
@@ -19,6 +23,8 @@ __all__ = [
     "CudaGraphIncompatible",
     "dedupe_unshards",
     "check_dedupe_unshards",
+    "constant_opaque_outputs",
+    "check_constant_opaque_outputs",
     "lower_collectives",
     "check_lower_collectives",
     "reshard",

@@ -8,6 +8,7 @@ from torch import fx
 from fsdp_compile.fx_utils import call, finish
 from fsdp_compile.patterns import (
     ALL_GATHER,
+    ALL_REDUCE,
     REDUCE_SCATTER,
     WAIT,
     is_marker,
@@ -45,6 +46,8 @@ def _cast(graph: fx.Graph, node: fx.Node, dtype_name: str) -> fx.Node:
 def _lower_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
     # Cast before padding and gathering: the wire carries param_dtype.
     shard = _cast(graph, marker.args[0], param.param_dtype)
+    if not param.gathers:
+        return shard
     padded = _pad_rows(graph, shard, param.padded_rows)
     gathered = call(graph, ALL_GATHER, padded, param.world, param.group_name)
     waited = call(graph, WAIT, gathered)
@@ -53,19 +56,36 @@ def _lower_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Nod
 
 def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
     grad = _cast(graph, marker.args[0], param.reduce_dtype)
-    padded = _pad_rows(graph, grad, param.padded_rows * param.world)
+    pending = marker.args[1]
+    if pending is not None:  # the micro-batches accumulated without sync
+        grad = call(graph, aten.add.Tensor, grad, pending)
     # SUM then divide, as the eager marker does (gloo has no AVG): see fsdp_compile/ops.py.
-    scattered = call(graph, REDUCE_SCATTER, padded, "sum", param.world, param.group_name)
-    waited = call(graph, WAIT, scattered)
-    averaged = call(graph, aten.div.Tensor, _first_rows(graph, waited, param.shard_rows), param.world)
-    return _cast(graph, averaged, param.dtype)
+    if param.scatters:
+        padded = _pad_rows(graph, grad, param.padded_rows * param.world)
+        reduced = call(graph, REDUCE_SCATTER, padded, "sum", param.world, param.group_name)
+    else:
+        reduced = call(graph, ALL_REDUCE, grad, "sum", param.group_name)
+    reduced = call(graph, WAIT, reduced)
+    if param.replicate_group_name:
+        reduced = call(graph, WAIT, call(graph, ALL_REDUCE, reduced, "sum", param.replicate_group_name))
+    if param.strategy == "optim":
+        # Average the whole gradient, then view this rank's rows: every rank keeps the whole
+        # averaged gradient (ZeRO-1), as the eager marker does.
+        averaged = call(graph, aten.div.Tensor, reduced, param.world * param.replicate_world)
+        first = param.padded_rows * param.rank
+        mine = call(graph, aten.slice.Tensor, averaged, 0, first, first + param.shard_rows)
+    else:
+        rows = _first_rows(graph, reduced, param.shard_rows)
+        mine = call(graph, aten.div.Tensor, rows, param.world * param.replicate_world)
+    return _cast(graph, mine, param.dtype)
 
 
 def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards no marker is left: each ``unshard`` is a cast/pad/all_gather/wait/slice chain
-    and each ``reduce_grad`` a cast/pad/reduce_scatter/wait/slice/div/cast chain on the
-    parameter's group, sizes, world and dtypes taken from the plan (casts and pads only where
-    needed). Numerics match the eager markers.
+    (only the cast for ``no_shard``) and each ``reduce_grad`` a reduce-scatter (ZeRO-2/3) or
+    all-reduce (``optim``, ``no_shard``) chain, then the HSDP all-reduce across replicas, on the
+    parameter's groups, sizes, world and dtypes taken from the plan (the chains are drawn in
+    fsdp_compile/patterns.py). Numerics match the eager markers.
     """
     for marker in list(gm.graph.nodes):
         if not is_marker(marker):

@@ -1,0 +1,262 @@
+"""Every sharding strategy, HSDP and gradient accumulation train like one process.
+
+Parity runs real gloo ranks against the unsharded single-process reference (harness); the
+collective structure and the memory per rank are checked on the fake process group.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.ops import STRATEGIES
+from fsdp_compile.passes import saved_gathered_params
+from fsdp_compile.patterns import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, count_collectives
+from harness import (
+    LOCAL_BATCH,
+    SEQ,
+    assert_parity,
+    build_model,
+    fake_process_group,
+    full_parameters,
+    max_param_error,
+    mean_over_ranks,
+    parity_run,
+    relative_error,
+    spawn,
+)
+
+USER_GUIDE = Path(__file__).parents[1] / "docs" / "user_guide.md"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_trains_to_parity(strategy, world):
+    results = spawn(
+        parity_run, world, cfg=TransformerConfig(), modes=("none", "eager"), strategy=strategy
+    )
+    assert_parity(results)
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_hsdp_2x2_trains_to_parity(strategy):
+    """World 4 as (replicate 2, shard 2): gather and reduce-scatter inside the shard pair,
+    then all-reduce across the replicas; the same numbers as one process."""
+    results = spawn(
+        parity_run,
+        4,
+        cfg=TransformerConfig(),
+        modes=("none", "eager"),
+        mesh_shape=(2, 2),
+        strategy=strategy,
+    )
+    assert_parity(results)
+
+
+def _compiled_step(world, rank=0, mesh_shape=None, **shard_options):
+    cfg = TransformerConfig(n_layers=2)
+    with fake_process_group(world, rank=rank):
+        mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
+        model = fully_shard(build_model(cfg), mesh=mesh, **shard_options)
+        backend = MfsdpBackend(compiler="eager")
+        tokens, targets = make_batch(cfg, 2, 8, 0, 0)
+        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
+    (graph,) = backend.graphs
+    return model, graph
+
+
+# Collectives per step, per parameter, as docs/user_guide.md's table states them.
+EXPECTED_COLLECTIVES = {
+    "no_shard": ({}, {"all_reduce": "trainable"}),
+    "optim": ({"all_gather": "all"}, {"all_reduce": "trainable"}),
+    "optim_grads": ({"all_gather": "all"}, {"reduce_scatter": "trainable"}),
+    "optim_grads_params": ({"all_gather": "all"}, {"all_gather": "regathered", "reduce_scatter": "trainable"}),
+}
+
+
+@pytest.mark.parametrize("world", [8, 64])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_collectives_per_step_follow_the_strategy(strategy, world):
+    model, graph = _compiled_step(world, strategy=strategy)
+    counts = {"all": len(graph.plan.params), "trainable": len(graph.plan.trainable)}
+    if strategy == "optim_grads_params":
+        # ZeRO-3 gathers again in backward, once each, what backward reads: at least what
+        # ZeRO-2 keeps from forward for it (not, e.g., a bias whose gradient needs no value).
+        regathered = [
+            graph.plan.param(n.meta["mfsdp_param_id"]).fqn
+            for n in graph.backward.graph.nodes
+            if n.target == ALL_GATHER
+        ]
+        _, kept = _compiled_step(world, strategy="optim_grads")
+        assert {kept.plan.param(i).fqn for i in saved_gathered_params(kept.forward)} <= set(regathered)
+        assert saved_gathered_params(graph.forward) == []
+        counts["regathered"] = len(set(regathered))
+    forward, backward = EXPECTED_COLLECTIVES[strategy]
+    assert count_collectives(graph.forward.graph) == {k: counts[v] for k, v in forward.items()}
+    assert count_collectives(graph.backward.graph) == {k: counts[v] for k, v in backward.items()}
+    placement = Replicate() if strategy == "no_shard" else Shard(0)
+    for param in model.parameters():
+        assert param.placements == (placement,)
+        if param.requires_grad:
+            assert param.grad.placements == (placement,)
+
+
+def test_hsdp_collectives_stay_in_their_groups():
+    """Mesh (replicate 4, shard 2) at world 8: every all-gather and reduce-scatter runs on the
+    shard group (2 ranks), every gradient is then all-reduced on the replicate group; the plan
+    names both groups."""
+    model, graph = _compiled_step(8, rank=5, mesh_shape=(4, 2))
+    plan = graph.plan
+    (shard_group,) = {p.group_name for p in plan.params}
+    (replicate_group,) = {p.replicate_group_name for p in plan.params}
+    assert {(p.world, p.replicate_world) for p in plan.params} == {(2, 4)}
+    assert shard_group != replicate_group and '"replicate_group_name"' in plan.to_json()
+    for gm in (graph.forward, graph.backward):
+        for node in gm.graph.nodes:
+            if node.target in (ALL_GATHER, REDUCE_SCATTER):
+                assert node.args[-1] == shard_group, node.format_node()
+            elif node.target == ALL_REDUCE:
+                assert node.args[-1] == replicate_group, node.format_node()
+    backward = count_collectives(graph.backward.graph)
+    assert backward["all_reduce"] == backward["reduce_scatter"] == len(plan.trainable)
+    for param in model.parameters():
+        assert param.placements == (Replicate(), Shard(0))
+
+
+# ---- gradient accumulation ----------------------------------------------------------------
+
+MICRO_BATCHES = 3
+ACCUMULATION_STEPS = 3
+
+
+def _micro_batch(cfg, step, micro, rank):
+    return make_batch(cfg, LOCAL_BATCH, SEQ, step * MICRO_BATCHES + micro, rank)
+
+
+def _accumulate(rank, world, *, cfg, strategy, mode):
+    """k micro-batches per optimizer step, sync only on the last, against a reference that
+    trains on all ranks' micro-batches of a step as one batch."""
+    reference = build_model(cfg)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_losses = []
+    for step in range(ACCUMULATION_STEPS):
+        parts = [_micro_batch(cfg, step, j, r) for j in range(MICRO_BATCHES) for r in range(world)]
+        loss = loss_fn(reference(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts]))
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.detach())
+
+    torch._dynamo.reset()
+    model = fully_shard(build_model(cfg), strategy=strategy)
+    backend = MfsdpBackend(compiler=mode) if mode != "none" else None
+    forward = torch.compile(model, backend=backend) if backend else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(ACCUMULATION_STEPS):
+        total = torch.zeros(())
+        for micro in range(MICRO_BATCHES):
+            model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)
+            tokens, targets = _micro_batch(cfg, step, micro, rank)
+            loss = loss_fn(forward(tokens), targets) / MICRO_BATCHES
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    expected = {n: p.detach() for n, p in reference.named_parameters()}
+    return {
+        "loss_error": relative_error(mean_over_ranks(torch.stack(losses)), torch.stack(ref_losses)),
+        "param_error": max_param_error(full_parameters(model), expected)[0],
+        "backward_collectives": [
+            dict(count_collectives(g.backward.graph)) for g in (backend.graphs if backend else [])
+        ],
+        "trainable": sum(p.requires_grad for p in model.parameters()),
+    }
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gradient_accumulation_reduces_once(strategy):
+    """Parity for 3 micro-batches per step; the compiled no-sync graph reduces nothing, the
+    final one reduces each gradient once (the accumulated sum included)."""
+    cfg = TransformerConfig()
+    for mode in ("none", "eager"):
+        for result in spawn(_accumulate, 2, cfg=cfg, strategy=strategy, mode=mode):
+            assert result["loss_error"] < 1e-5 and result["param_error"] < 1e-5, (mode, result)
+            if mode == "none":
+                continue
+            # Two graphs, compiled once each: sync off, then sync on with the pending sum.
+            no_sync, final = result["backward_collectives"]
+            assert "reduce_scatter" not in no_sync and "all_reduce" not in no_sync, no_sync
+            reduction = "all_reduce" if strategy in ("no_shard", "optim") else "reduce_scatter"
+            assert final[reduction] == result["trainable"], final
+
+
+# ---- bytes per rank, against the docs table -----------------------------------------------
+
+
+def _documented_bytes() -> dict[str, dict[str, str]]:
+    """The strategy table of docs/user_guide.md: {strategy: {column: formula}}."""
+    rows = {}
+    for line in USER_GUIDE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 6 and cells[0].strip("`") in STRATEGIES:
+            rows[cells[0].strip("`")] = {"param": cells[3], "grad": cells[4], "opt": cells[5]}
+    assert rows.keys() == set(STRATEGIES), "the strategy table in docs/user_guide.md changed shape"
+    return rows
+
+
+def _evaluate(formula: str, total: int, world: int) -> float:
+    assert re.fullmatch(r"\d*P(/N)?", formula), formula
+    factor = int(formula.split("P")[0] or 1)
+    return factor * total / (world if "/N" in formula else 1)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bytes_per_rank_match_the_docs_table(strategy):
+    """MemTracker at world size 4, after one compiled AdamW step: parameter, gradient and optimizer
+    bytes per rank are the table's formulas (P = unsharded parameter bytes, N = 4), give or
+    take the padding of uneven shards (at most one row per parameter and state)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    cfg = TransformerConfig()
+    world = 4
+    categories = {"param": _MemRefType.PARAM, "grad": _MemRefType.GRAD, "opt": _MemRefType.OPT}
+    with fake_process_group(world, rank=0):
+        model = fully_shard(build_model(cfg), strategy=strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tokens, targets = make_batch(cfg, 2, 8, 0, 0)
+        compiled = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        loss_fn(compiled(tokens), targets).backward()
+        opt.step()
+        # What the rank holds between steps: tracked after the step, so the walk sees the
+        # parameters, their .grad and the optimizer state as they persist.
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            pass
+        snapshot = tracker.get_tracker_snapshot("current")
+    measured = {
+        name: sum(device.get(kind, 0) for device in snapshot.values())
+        for name, kind in categories.items()
+    }
+    unsharded = build_model(cfg)
+    total = sum(p.numel() * p.element_size() for p in unsharded.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in unsharded.parameters() if p.requires_grad)
+    row_bytes = sum(4 * math.prod(p.shape[1:]) for p in unsharded.parameters())
+    # AdamW also keeps a scalar ``step`` per parameter (4 bytes each), in every strategy.
+    step_bytes = 4 * sum(p.requires_grad for p in unsharded.parameters())
+    formulas = _documented_bytes()[strategy]
+    for name, formula in formulas.items():
+        size = total if name == "param" else trainable
+        expected = _evaluate(formula, size, world) + (step_bytes if name == "opt" else 0)
+        padding = 0 if "/N" not in formula else row_bytes * (2 if name == "opt" else 1)
+        assert expected - padding <= measured[name] <= expected + padding, (name, formula, measured)
