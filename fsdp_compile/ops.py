@@ -17,7 +17,11 @@ What each strategy does (``Strategy``; docs/user_guide.md has the table):
   of the whole averaged gradient every rank keeps.
 - ``no_shard``: the local tensor is the whole parameter; all-reduce the gradient.
 
-With a replicate group (HSDP) the reduced gradient is then all-reduced across replicas.
+With a replicate group (HSDP) the reduced gradient is then all-reduced across replicas. The sum
+is divided by ``grad_divisor``, the ranks the gradient is averaged over: the whole mesh for
+data-parallel parameters, the whole data-parallel world for expert-parallel ones (their
+gradient already sums the tokens of the EP group; see NOTE: expert gradient scale, in
+fsdp_compile/expert_parallel.py).
 Gradient accumulation: given an ``accumulator`` the backward reduces nothing and hands the full
 gradient to the accumulator (autograd sums it into ``accumulator.grad``); given ``pending``
 (the sum of earlier micro-batches) the backward adds it before the one reduction.
@@ -88,6 +92,7 @@ def unshard(
     strategy: str,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
+    grad_divisor: int,
 ) -> Tensor:
     """Cast the local tensor to ``param_dtype`` and, for sharded strategies, all-gather it
     into ``global_rows`` rows over ``group_name``.
@@ -109,7 +114,7 @@ def unshard(
 
 @unshard.register_fake
 def _(shard, accumulator, pending, param_id, global_rows, group_name, replicate_group_name,
-      strategy, param_dtype, reduce_dtype) -> Tensor:
+      strategy, param_dtype, reduce_dtype, grad_divisor) -> Tensor:
     return shard.new_empty((global_rows, *shard.shape[1:]), dtype=param_dtype)
 
 
@@ -124,9 +129,10 @@ def reduce_grad(
     strategy: str,
     reduce_dtype: torch.dtype,
     shard_dtype: torch.dtype,
+    grad_divisor: int,
 ) -> Tensor:
-    """Average ``full_grad`` (+ ``pending``) over the group in ``reduce_dtype`` and return
-    this rank's ``shard_rows`` rows in ``shard_dtype``.
+    """Sum ``full_grad`` (+ ``pending``) over the group in ``reduce_dtype``, divide by
+    ``grad_divisor`` and return this rank's ``shard_rows`` rows in ``shard_dtype``.
 
     ``shard_dtype`` is the stored parameter's dtype, so under mixed precision an fp32 reduction
     lands as an fp32 ``.grad`` without a detour through bf16. SUM then divide: gloo has no AVG
@@ -147,25 +153,22 @@ def reduce_grad(
         reduced = grad.contiguous().clone() if grad is full_grad else grad.contiguous()
         dist.all_reduce(reduced, group=group)
         first = padded_rows(full_grad.shape[0], world) * group.rank() if strategy == "optim" else 0
-    divisor = world
     if replicate_group_name:
-        replicas = _resolve_process_group(replicate_group_name)
-        dist.all_reduce(reduced, group=replicas)
-        divisor *= replicas.size()
+        dist.all_reduce(reduced, group=_resolve_process_group(replicate_group_name))
     # Divide before taking the rows: for ``optim`` the rows stay a view of the whole averaged
     # gradient, which every rank keeps (ZeRO-1 shards only the optimizer state).
-    return reduced.div_(divisor)[first : first + shard_rows].to(shard_dtype)
+    return reduced.div_(grad_divisor)[first : first + shard_rows].to(shard_dtype)
 
 
 @reduce_grad.register_fake
 def _(full_grad, pending, param_id, shard_rows, group_name, replicate_group_name, strategy,
-      reduce_dtype, shard_dtype) -> Tensor:
+      reduce_dtype, shard_dtype, grad_divisor) -> Tensor:
     return full_grad.new_empty((shard_rows, *full_grad.shape[1:]), dtype=shard_dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
     (shard, accumulator, pending, ctx.param_id, _rows, ctx.group_name, ctx.replicate_group_name,
-     ctx.strategy, _param_dtype, ctx.reduce_dtype) = inputs
+     ctx.strategy, _param_dtype, ctx.reduce_dtype, ctx.grad_divisor) = inputs
     ctx.shard_rows = shard.shape[0]
     ctx.shard_dtype = shard.dtype
     ctx.accumulates = accumulator is not None
@@ -176,7 +179,7 @@ def _unshard_backward(ctx, grad: Tensor):
     if ctx.accumulates:
         # A micro-batch without gradient sync: no collective; autograd sums the full
         # gradient into accumulator.grad, in reduce_dtype so bf16 compute accumulates in fp32.
-        return None, grad.to(ctx.reduce_dtype), None, None, None, None, None, None, None, None
+        return None, grad.to(ctx.reduce_dtype), *[None] * 9
     (pending,) = ctx.saved_tensors
     reduced = reduce_grad(
         grad.contiguous(),
@@ -188,8 +191,9 @@ def _unshard_backward(ctx, grad: Tensor):
         ctx.strategy,
         ctx.reduce_dtype,
         ctx.shard_dtype,
+        ctx.grad_divisor,
     )
-    return reduced, None, None, None, None, None, None, None, None, None
+    return reduced, *[None] * 10
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -91,6 +91,9 @@ class ParamPlan:
     """HSDP: group the reduced gradient is then all-reduced over; "" without one."""
     replicate_world: int
     """Ranks in the replicate group (1 without one)."""
+    grad_divisor: int
+    """The summed gradient is divided by this: ``world * replicate_world``, or for expert
+    parameters (reduced over edp) the whole data-parallel world."""
     requires_grad: bool
     """False for frozen parameters: gathered, never reduce-scattered."""
     reshard_after_forward: bool
@@ -195,6 +198,7 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
                 rank=_resolve_process_group(info.group_name).rank(),
                 replicate_group_name=info.replicate_group_name,
                 replicate_world=info.replicate_world,
+                grad_divisor=info.grad_divisor,
                 requires_grad=value.requires_grad,
                 reshard_after_forward=info.reshard_after_forward,
             )

@@ -71,12 +71,12 @@ def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx
     if param.strategy == "optim":
         # Average the whole gradient, then view this rank's rows: every rank keeps the whole
         # averaged gradient (ZeRO-1), as the eager marker does.
-        averaged = call(graph, aten.div.Tensor, reduced, param.world * param.replicate_world)
+        averaged = call(graph, aten.div.Tensor, reduced, param.grad_divisor)
         first = param.padded_rows * param.rank
         mine = call(graph, aten.slice.Tensor, averaged, 0, first, first + param.shard_rows)
     else:
         rows = _first_rows(graph, reduced, param.shard_rows)
-        mine = call(graph, aten.div.Tensor, rows, param.world * param.replicate_world)
+        mine = call(graph, aten.div.Tensor, rows, param.grad_divisor)
     return _cast(graph, mine, param.dtype)
 
 
