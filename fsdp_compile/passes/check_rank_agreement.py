@@ -13,8 +13,10 @@ from fsdp_compile.patterns import is_unshard, marker_param_id
 from fsdp_compile.plan import Plan
 
 
-def collective_fingerprint(gm: fx.GraphModule, plan: Plan) -> str:
-    """A digest of the graph's parameter gathers, in order: what every rank must agree on.
+def collective_fingerprint(gm: fx.GraphModule, plan: Plan, group_name: str) -> str:
+    """A digest of the graph's parameter gathers on ``group_name``, in order: what every rank
+    of that group must agree on (ranks of one group may belong to different other groups, as
+    expert parallelism's edp groups).
 
     Only the collectives count: ranks may legitimately trace different activation shapes (a
     shorter last batch), and that changes no collective. Backward collectives follow from the
@@ -24,6 +26,8 @@ def collective_fingerprint(gm: fx.GraphModule, plan: Plan) -> str:
     for node in gm.graph.nodes:
         if is_unshard(node):
             param = plan.param(marker_param_id(node))
+            if param.group_name != group_name:
+                continue
             sequence.append((param.param_id, param.global_shape, param.group_name, param.param_dtype))
     return hashlib.sha256(repr(sequence).encode()).hexdigest()[:16]
 
@@ -38,11 +42,11 @@ def check_rank_agreement(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     groups = {p.group_name for p in plan.params}
     if not groups or not dist.is_initialized():
         return gm
-    mine = collective_fingerprint(gm, plan)
     for group_name in sorted(groups):
         group = _resolve_process_group(group_name)
         if group.size() == 1:
             continue
+        mine = collective_fingerprint(gm, plan, group_name)
         fingerprints: list[str] = [""] * group.size()
         dist.all_gather_object(fingerprints, mine, group=group)
         if len(set(fingerprints)) > 1:
