@@ -14,6 +14,7 @@ from fsdp_compile.api import (
 from fsdp_compile.capture import CapturedStep, capture_step
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend, _register, mfsdp_backend
 from fsdp_compile.errors import UsageError
+from fsdp_compile.expert_parallel import expert_mesh
 from fsdp_compile.optim_guard import install as install_optimizer_guard
 from fsdp_compile.explain import Explanation, explain
 from fsdp_compile.schedule import Hardware
@@ -28,6 +29,7 @@ __all__ = [
     "set_requires_gradient_sync",
     "is_fully_sharded",
     "shard_info",
+    "expert_mesh",
     "mfsdp_backend",
     "capture_step",
     "CapturedStep",

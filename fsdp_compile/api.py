@@ -24,6 +24,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_compile.errors import UsageError
+from fsdp_compile.expert_parallel import (
+    ExpertParam,
+    assign_experts,
+    check_expert_parallel,
+    expert_modules,
+)
 from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES, Strategy, unshard
 
 __all__ = [
@@ -90,7 +96,10 @@ class ShardInfo:
     unit: str
     """The ``fully_shard`` call that owns it, by that module's class and id (a bucketing hint)."""
     global_shape: tuple[int, ...]
-    """Shape of the unsharded parameter."""
+    """Shape a read returns: the unsharded parameter, or for stacked expert-parallel weights
+    only this EP rank's experts."""
+    dtensor_shape: tuple[int, ...]
+    """Shape of the stored DTensor (``global_shape`` but for stacked experts: all of them)."""
     strategy: Strategy
     """What stays sharded between uses (see ``fully_shard``)."""
     group_name: str
@@ -102,6 +111,9 @@ class ShardInfo:
     """HSDP: the group across replicas (the mesh's first dimension); "" without one."""
     replicate_world: int
     """Ranks in the replicate group (1 without one)."""
+    grad_divisor: int
+    """Ranks the gradient is averaged over: the mesh's size, or for expert-parallel parameters
+    the whole data-parallel world (see NOTE: expert gradient scale, in expert_parallel.py)."""
     reshard_after_forward: bool
     """Free the gathered parameter after forward and gather again in backward."""
     param_dtype: torch.dtype
@@ -201,7 +213,7 @@ _pending: dict[int, torch.Tensor] = {}
 def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
     param = self._parameters[name]
     # isinstance and shape only: Dynamo traces this getter, and both are cheap guards for it.
-    if not isinstance(param, DTensor) or tuple(param.shape) != info.global_shape:
+    if not isinstance(param, DTensor) or tuple(param.shape) != info.dtensor_shape:
         raise UsageError(
             f"{type(self).__name__}.{name} was replaced after fully_shard (now "
             f"{type(param).__name__} of shape {tuple(param.shape)}); sharding happens once. "
@@ -220,6 +232,7 @@ def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
             info.strategy,
             info.param_dtype,
             info.reduce_dtype,
+            info.grad_divisor,
         )
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to
@@ -343,6 +356,8 @@ def fully_shard(
     strategy: Strategy = "optim_grads_params",
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecision | None = None,
+    expert_mesh: DeviceMesh | None = None,
+    shard_experts: bool = False,
 ) -> nn.Module:
     """Shard every parameter of ``module`` not yet sharded over ``mesh``.
 
@@ -361,7 +376,13 @@ def fully_shard(
     gathered; its gradient is averaged over the mesh and lands as ``.grad`` with the
     parameter's placements. ``reshard_after_forward`` (ZeRO-3 only; default True) frees the
     gathered parameter after forward and gathers again in backward. ``mp_policy`` sets the
-    dtypes of the gather and of the gradient reduction. Returns ``module``.
+    dtypes of the gather and of the gradient reduction.
+
+    Modules marked ``expert_parallel_enabled = True`` are owned by expert parallelism over
+    ``expert_mesh`` (``fsdp_compile.expert_mesh``; see fsdp_compile/expert_parallel.py and
+    docs/moe.md): each EP rank keeps its experts, not sharded over ``mesh``, and their
+    gradients are reduced over the ``edp`` group; ``shard_experts`` also shards them over
+    ``edp`` with ``strategy``. Returns ``module``.
     """
     _check_module(module, mesh)
     reshard_after_forward = _check_strategy(strategy, reshard_after_forward, mesh)
@@ -370,6 +391,10 @@ def fully_shard(
             f"mp_policy must be fsdp_compile.MixedPrecision, got {type(mp_policy).__name__}."
         )
     mp_policy = mp_policy or MixedPrecision()
+    marked = expert_modules(module)
+    if marked:
+        dense_world = mesh.size() if mesh is not None else dist.get_world_size()
+        check_expert_parallel(marked, expert_mesh, dense_world, strategy, shard_experts)
     mesh = mesh if mesh is not None else _default_mesh(module)
     shard_dim = mesh.ndim - 1
     group_name = mesh.get_group(shard_dim).group_name
@@ -377,9 +402,13 @@ def fully_shard(
     placements = _placements(strategy, mesh)
     unit = f"{type(module).__name__}@{id(module):x}"
 
-    params = _managed_params(module)
     sharded: dict[int, nn.Parameter] = {}
-    for key, (fqn, param) in params.items():
+    for name, expert_module in marked:
+        for expert in assign_experts(name, expert_module, expert_mesh, strategy, shard_experts):
+            sharded[id(expert.param)] = _expert_shard(expert, reshard_after_forward, mp_policy)
+    for key, (fqn, param) in _managed_params(module).items():
+        if key in sharded:
+            continue
         if hasattr(param, "_mfsdp_sharded_as"):
             # Tied to a parameter an earlier (submodule) call already sharded: reuse that one.
             sharded[key] = param._mfsdp_sharded_as
@@ -389,23 +418,17 @@ def fully_shard(
             fqn=fqn,
             unit=unit,
             global_shape=tuple(param.shape),
+            dtensor_shape=tuple(param.shape),
             strategy=strategy,
             group_name=group_name,
             world=mesh.size(shard_dim),
             replicate_group_name=replicate_group_name,
             replicate_world=mesh.size(0) if replicate_group_name else 1,
+            grad_divisor=mesh.size(),
             reshard_after_forward=reshard_after_forward,
             **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(param.dtype))),
         )
-        # Each rank already holds the full tensor, so cut locally (src_data_rank=None):
-        # no broadcast runs and ranks must have been seeded alike, as with FSDP2.
-        dtensor = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
-        new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-        new_param._mfsdp = info
-        # Modules outside this call may still hold ``param`` (ties across units): leave a
-        # forwarding note so the root's call reuses this shard instead of sharding twice.
-        param._mfsdp_sharded_as = new_param
-        sharded[key] = new_param
+        sharded[key] = _shard(param, mesh, placements, info)
 
     for submodule in module.modules():
         props = {}
@@ -419,3 +442,37 @@ def fully_shard(
             _install_properties(submodule, props)
     module._mfsdp_unit = unit
     return module
+
+
+def _shard(param: nn.Parameter, mesh: DeviceMesh, placements, info: ShardInfo) -> nn.Parameter:
+    """``param`` as an ``nn.Parameter(DTensor)`` carrying its sharding record ``info``."""
+    # Each rank already holds the full tensor, so cut locally (src_data_rank=None):
+    # no broadcast runs and ranks must have been seeded alike, as with FSDP2.
+    dtensor = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
+    new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    new_param._mfsdp = info
+    # Modules outside this call may still hold ``param`` (ties across units): leave a
+    # forwarding note so the root's call reuses this shard instead of sharding twice.
+    param._mfsdp_sharded_as = new_param
+    return new_param
+
+
+def _expert_shard(
+    expert: ExpertParam, reshard_after_forward: bool, mp_policy: MixedPrecision
+) -> nn.Parameter:
+    info = ShardInfo(
+        param_id=next(_param_ids),
+        fqn=expert.fqn,
+        unit=expert.unit,
+        global_shape=expert.read_shape,
+        dtensor_shape=tuple(expert.param.shape),
+        strategy=expert.strategy,
+        group_name=expert.group_name,
+        world=expert.world,
+        replicate_group_name="",
+        replicate_world=1,
+        grad_divisor=expert.grad_divisor,
+        reshard_after_forward=reshard_after_forward and expert.strategy == "optim_grads_params",
+        **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(expert.param.dtype))),
+    )
+    return _shard(expert.param, expert.mesh, expert.placements, info)

@@ -5,7 +5,8 @@ consumed inside a custom ``autograd.Function`` (a stand-in for a fused kernel th
 hook would see), an embedding tied to the output head, a frozen positional table, per-head
 temperatures (a parameter with fewer rows than ranks) and sizes not divisible by 4. With
 ``n_experts`` > 0 the MLPs are mixtures of experts (static capacity), in a ModuleList or as
-fused 3-D weights read by a batched-matmul ``autograd.Function``.
+fused 3-D weights read by a grouped-GEMM ``autograd.Function``; with ``expert_parallel`` the
+experts are marked for expert parallelism (see fsdp_compile/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from fsdp_compile.expert_parallel import combine_from_experts, dispatch_to_experts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +42,10 @@ class TransformerConfig:
     capacity_factor: float = 1.25
     """Expert capacity = ceil(capacity_factor * tokens * top_k / n_experts); overflow is dropped."""
     fused_experts: bool = True
-    """Experts as 3-D weights in one batched-matmul Function (True) or a ModuleList (False)."""
+    """Experts as 3-D weights in one grouped-GEMM Function (True) or a ModuleList (False)."""
+    expert_parallel: bool = False
+    """Mark each MoE's experts ``expert_parallel_enabled``: ``fully_shard(..., expert_mesh=...)``
+    gives each EP rank its experts and tokens travel to them by all-to-all."""
 
 
 class FusedLinear(torch.autograd.Function):
@@ -94,8 +100,17 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * FusedLinear.apply(x, self.up))
 
 
+def grouped_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a[e] @ b[e]`` for every expert ``e``: ``torch._grouped_mm`` where it runs (bf16, rows
+    of 16-byte multiples: its meta kernel refuses anything else), else a batched matmul."""
+    aligned = all(t.shape[-1] * t.element_size() % 16 == 0 for t in (a, b))
+    if aligned and a.dtype == b.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(a.contiguous(), b.contiguous())
+    return torch.bmm(a, b)
+
+
 class GroupedExpertMLP(torch.autograd.Function):
-    """``silu(x @ w_in^T) @ w_out^T`` per expert, batched over experts, hand-written backward.
+    """``silu(x @ w_in^T) @ w_out^T`` per expert, grouped GEMMs, hand-written backward.
 
     Reads the raw 3-D weights (``[experts, hidden, dim]``, ``[experts, dim, hidden]``) the way a
     fused grouped-GEMM kernel does: no module call, so no module hook would ever see them.
@@ -103,20 +118,34 @@ class GroupedExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
-        pre = torch.bmm(x, w_in.transpose(1, 2))
+        pre = grouped_mm(x, w_in.transpose(1, 2))
         act = F.silu(pre)
         ctx.save_for_backward(x, w_in, w_out, pre)
-        return torch.bmm(act, w_out.transpose(1, 2))
+        return grouped_mm(act, w_out.transpose(1, 2))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w_in, w_out, pre = ctx.saved_tensors
         sig = torch.sigmoid(pre)
         act = pre * sig
-        grad_act = torch.bmm(grad, w_out)
-        grad_w_out = torch.bmm(grad.transpose(1, 2), act)
+        grad_act = grouped_mm(grad, w_out)
+        grad_w_out = grouped_mm(grad.transpose(1, 2), act)
         grad_pre = grad_act * sig * (1 + pre * (1 - sig))
-        return torch.bmm(grad_pre, w_in), torch.bmm(grad_pre.transpose(1, 2), x), grad_w_out
+        return grouped_mm(grad_pre, w_in), grouped_mm(grad_pre.transpose(1, 2), x), grad_w_out
+
+
+class GroupedExperts(nn.Module):
+    """Every expert's weights stacked on dim 0, run by one ``GroupedExpertMLP``."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        scale_in, scale_out = cfg.dim**-0.5, cfg.hidden**-0.5
+        self.w_in = nn.Parameter(torch.randn(cfg.n_experts, cfg.hidden, cfg.dim) * scale_in)
+        self.w_out = nn.Parameter(torch.randn(cfg.n_experts, cfg.dim, cfg.hidden) * scale_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[experts held here, tokens, dim]``."""
+        return GroupedExpertMLP.apply(x, self.w_in, self.w_out)
 
 
 class ExpertMLP(nn.Module):
@@ -133,7 +162,9 @@ class MoE(nn.Module):
     """Top-k routed experts with a static capacity (GShard-style dispatch, token dropping).
 
     Every shape is fixed by (tokens, experts, capacity): no ``nonzero``, no host sync, so the
-    layer compiles into one graph and can be captured in a CUDA graph.
+    layer compiles into one graph and can be captured in a CUDA graph. Under expert
+    parallelism (``fully_shard`` set ``experts.expert_parallel_group``) each expert's capacity
+    slots travel to the rank owning it and back by all-to-all; the router stays data-parallel.
     """
 
     def __init__(self, cfg: TransformerConfig) -> None:
@@ -141,15 +172,27 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         if cfg.fused_experts:
-            scale_in, scale_out = cfg.dim**-0.5, cfg.hidden**-0.5
-            self.w_in = nn.Parameter(torch.randn(cfg.n_experts, cfg.hidden, cfg.dim) * scale_in)
-            self.w_out = nn.Parameter(torch.randn(cfg.n_experts, cfg.dim, cfg.hidden) * scale_out)
+            self.experts = GroupedExperts(cfg)
         else:
             self.experts = nn.ModuleList(ExpertMLP(cfg) for _ in range(cfg.n_experts))
+        self.experts.expert_parallel_enabled = cfg.expert_parallel
 
     def capacity(self, tokens: int) -> int:
         cfg = self.cfg
         return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
+
+    def run_experts(self, expert_in: torch.Tensor) -> torch.Tensor:
+        """``[experts, capacity, dim]`` slots -> the experts' outputs, same shape."""
+        group = getattr(self.experts, "expert_parallel_group", None)
+        if group is None:
+            return self._local_experts(expert_in, range(self.cfg.n_experts))
+        received = dispatch_to_experts(expert_in, group)
+        return combine_from_experts(self._local_experts(received, group.local_experts), group)
+
+    def _local_experts(self, expert_in: torch.Tensor, indices: range) -> torch.Tensor:
+        if self.cfg.fused_experts:
+            return self.experts(expert_in)
+        return torch.stack([self.experts[e](expert_in[i]) for i, e in enumerate(indices)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -164,10 +207,7 @@ class MoE(nn.Module):
         in_capacity = slot.unsqueeze(-1) == torch.arange(capacity, device=x.device)
         dispatch = chosen.unsqueeze(-1) * in_capacity.to(x.dtype)  # [T, k, E, C]
         expert_in = torch.einsum("tkec,td->ecd", dispatch, x)
-        if cfg.fused_experts:
-            expert_out = GroupedExpertMLP.apply(expert_in, self.w_in, self.w_out)
-        else:
-            expert_out = torch.stack([e(expert_in[i]) for i, e in enumerate(self.experts)])
+        expert_out = self.run_experts(expert_in)
         out = torch.einsum("tkec,ecd,tk->td", dispatch, expert_out, gates)
         return out.reshape(shape)
 
