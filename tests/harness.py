@@ -183,16 +183,17 @@ TOLERANCE = 1e-5
 """Relative 2-norm error allowed between sharded fp32 training and the reference."""
 
 
-def parity_run(rank, world, *, cfg, modes, mesh_shape=None, **shard_options):
+def parity_run(rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, **shard_options):
     """Train once per mode (``none`` = uncompiled markers, else the mfsdp compiler by name) and
     return each mode's loss and parameter errors against the unsharded reference.
 
     ``shard_options`` go to ``fully_shard`` (strategy, reshard_after_forward, ...);
-    ``mesh_shape`` builds the mesh in the rank (e.g. ``(2, 2)`` for HSDP).
+    ``mesh_shape`` builds the mesh in the rank (e.g. ``(2, 2)`` for HSDP), ``ep_size`` the
+    expert mesh (``fsdp_compile.expert_mesh``).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile import MfsdpBackend, fully_shard
+    from fsdp_compile import MfsdpBackend, expert_mesh, fully_shard
 
     ref_losses, ref_params = reference(cfg, world)
     results = {}
@@ -200,14 +201,21 @@ def parity_run(rank, world, *, cfg, modes, mesh_shape=None, **shard_options):
         torch._dynamo.reset()
         if mesh_shape is not None:
             shard_options["mesh"] = init_device_mesh("cpu", mesh_shape)
+        if ep_size is not None:
+            shard_options["expert_mesh"] = expert_mesh("cpu", ep_size)
         model = fully_shard(build_model(cfg), **shard_options)
         forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
         losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank)))
-        error, worst = max_param_error(full_parameters(model), ref_params)
+        params = full_parameters(model)
+        # An expert-parallel ModuleList holds only this rank's experts: compare what the rank
+        # holds ("held" lets the test check that the ranks together hold everything).
+        expected = ref_params if ep_size is None else {n: ref_params[n] for n in params}
+        error, worst = max_param_error(params, expected)
         results[mode] = {
             "loss_error": relative_error(losses, ref_losses),
             "param_error": error,
             "worst_param": worst,
+            "held": sorted(params),
         }
     return results
 
@@ -217,3 +225,23 @@ def assert_parity(results, tolerance: float = TOLERANCE):
         for mode, r in rank_result.items():
             assert r["loss_error"] < tolerance, (mode, r)
             assert r["param_error"] < tolerance, (mode, r)
+
+
+def persistent_bytes(model, opt) -> dict[str, int]:
+    """Bytes this rank holds between steps, by MemTracker: {"param", "grad", "opt"}.
+
+    Tracked after a step, so the walk sees parameters, their ``.grad`` and the optimizer state
+    as they persist.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        pass
+    snapshot = tracker.get_tracker_snapshot("current")
+    kinds = {"param": _MemRefType.PARAM, "grad": _MemRefType.GRAD, "opt": _MemRefType.OPT}
+    return {
+        name: sum(device.get(kind, 0) for device in snapshot.values())
+        for name, kind in kinds.items()
+    }

@@ -30,6 +30,7 @@ from harness import (
     max_param_error,
     mean_over_ranks,
     parity_run,
+    persistent_bytes,
     relative_error,
     spawn,
 )
@@ -225,11 +226,8 @@ def test_bytes_per_rank_match_the_docs_table(strategy):
     """MemTracker at world size 4, after one compiled AdamW step: parameter, gradient and optimizer
     bytes per rank are the table's formulas (P = unsharded parameter bytes, N = 4), give or
     take the padding of uneven shards (at most one row per parameter and state)."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
     cfg = TransformerConfig()
     world = 4
-    categories = {"param": _MemRefType.PARAM, "grad": _MemRefType.GRAD, "opt": _MemRefType.OPT}
     with fake_process_group(world, rank=0):
         model = fully_shard(build_model(cfg), strategy=strategy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -237,17 +235,7 @@ def test_bytes_per_rank_match_the_docs_table(strategy):
         compiled = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
         loss_fn(compiled(tokens), targets).backward()
         opt.step()
-        # What the rank holds between steps: tracked after the step, so the walk sees the
-        # parameters, their .grad and the optimizer state as they persist.
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
-        with tracker:
-            pass
-        snapshot = tracker.get_tracker_snapshot("current")
-    measured = {
-        name: sum(device.get(kind, 0) for device in snapshot.values())
-        for name, kind in categories.items()
-    }
+        measured = persistent_bytes(model, opt)
     unsharded = build_model(cfg)
     total = sum(p.numel() * p.element_size() for p in unsharded.parameters())
     trainable = sum(p.numel() * p.element_size() for p in unsharded.parameters() if p.requires_grad)
