@@ -115,6 +115,16 @@ def collective_schedule(gm: fx.GraphModule, plan: Plan, graph: str) -> list[Coll
     return schedule
 
 
+def _signature(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.stride())
+    return value
+
+
+_FLOPS: dict[str, int] = {}
+"""Counted FLOPs by op and argument shapes: a transformer repeats a few dozen signatures."""
+
+
 def _node_flops(node: fx.Node) -> int:
     """FLOPs of one node, counted on its fake tensors (0 when it cannot be counted)."""
     if not isinstance(node.target, torch._ops.OpOverload):
@@ -122,13 +132,20 @@ def _node_flops(node: fx.Node) -> int:
     args, kwargs = tree_map(
         lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
     )
+    key = repr((node.target, tree_map(_signature, (args, kwargs))))
+    if key not in _FLOPS:
+        _FLOPS[key] = _count_flops(node.target, args, kwargs)
+    return _FLOPS[key]
+
+
+def _count_flops(target, args, kwargs) -> int:
     fake_mode = torch._guards.detect_fake_mode(args)
     if fake_mode is None:
         return 0
     counter = FlopCounterMode(display=False)
     try:
         with fake_mode, counter:
-            node.target(*args, **kwargs)
+            target(*args, **kwargs)
     except Exception:  # ops the fake mode cannot rerun standalone (RNG state, in-place views)
         return 0
     return counter.get_total_flops()

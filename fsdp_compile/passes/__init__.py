@@ -14,7 +14,9 @@ from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_un
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
 from fsdp_compile.passes.reshard import check_reshard, reshard, saved_gathered_params
 from fsdp_compile.passes.schedule_collectives import (
+    CollectiveGroup,
     GatherLifetime,
+    collective_groups,
     check_schedule_collectives,
     gather_lifetimes,
     peak_inflight_bytes,
@@ -40,4 +42,6 @@ __all__ = [
     "gather_lifetimes",
     "GatherLifetime",
     "peak_inflight_bytes",
+    "collective_groups",
+    "CollectiveGroup",
 ]

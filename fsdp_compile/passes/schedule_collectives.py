@@ -36,11 +36,13 @@ __all__ = [
     "gather_lifetimes",
     "GatherLifetime",
     "peak_inflight_bytes",
+    "collective_groups",
+    "CollectiveGroup",
 ]
 
 
 @dataclass(frozen=True)
-class _Group:
+class CollectiveGroup:
     """One parameter collective: what moves with its issue, and with its wait."""
 
     collective: fx.Node
@@ -99,7 +101,8 @@ def _group(collective: fx.Node, plan: Plan, claimed: set[fx.Node]) -> tuple[set,
     return issue, unpack
 
 
-def _groups(gm: fx.GraphModule, plan: Plan) -> list[_Group]:
+def collective_groups(gm: fx.GraphModule, plan: Plan) -> list[CollectiveGroup]:
+    """Every parameter collective of ``gm`` with the nodes that move with its issue and wait."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     groups, claimed = [], set()
     for collective in gm.graph.nodes:
@@ -108,7 +111,7 @@ def _groups(gm: fx.GraphModule, plan: Plan) -> list[_Group]:
         issue, unpack = _group(collective, plan, claimed)
         claimed |= issue | unpack
         groups.append(
-            _Group(
+            CollectiveGroup(
                 collective,
                 tuple(sorted(issue, key=position.__getitem__)),
                 tuple(sorted(unpack, key=position.__getitem__)),
@@ -117,12 +120,12 @@ def _groups(gm: fx.GraphModule, plan: Plan) -> list[_Group]:
     return groups
 
 
-def _first_use(group: _Group, index: dict[fx.Node, int], end: int) -> int:
+def _first_use(group: CollectiveGroup, index: dict[fx.Node, int], end: int) -> int:
     users = [u for n in group.wait for u in n.users if u not in group.wait]
     return min((index[u] for u in users), default=end)
 
 
-def _last_use(group: _Group, index: dict[fx.Node, int], end: int) -> int:
+def _last_use(group: CollectiveGroup, index: dict[fx.Node, int], end: int) -> int:
     """Last position where a gathered member, or a view of one, is read (end: returned; -1:
     never read)."""
     last, frontier, seen = -1, list(group.wait), set(group.wait)
@@ -183,7 +186,7 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     issued once its gradients exist and waited after the next one is issued. The prefetch
     distance each bucket got is recorded in ``gm.meta["mfsdp_prefetch"]`` (bucket -> distance).
     """
-    groups = _groups(gm, plan)
+    groups = collective_groups(gm, plan)
     if not groups:
         return gm
     moved = {n for g in groups for n in g.issue + g.wait}
@@ -239,7 +242,7 @@ def gather_lifetimes(gm: fx.GraphModule, plan: Plan) -> list[GatherLifetime]:
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     end = len(nodes) - 1
-    gathers = [g for g in _groups(gm, plan) if is_all_gather(g.collective)]
+    gathers = [g for g in collective_groups(gm, plan) if is_all_gather(g.collective)]
     gathers.sort(key=lambda g: _first_use(g, index, end))
     return [
         GatherLifetime(
@@ -267,7 +270,7 @@ def peak_inflight_bytes(lifetimes: list[GatherLifetime]) -> int:
 
 def check_schedule_collectives(gm: fx.GraphModule, plan: Plan) -> None:
     nodes = list(gm.graph.nodes)
-    moved = {n for g in _groups(gm, plan) for n in g.issue + g.wait}
+    moved = {n for g in collective_groups(gm, plan) for n in g.issue + g.wait}
     lifetimes = gather_lifetimes(gm, plan)
     uses = [t.first_use for t in lifetimes]
     prefetch = gm.meta.get("mfsdp_prefetch", {})
