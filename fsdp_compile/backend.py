@@ -146,7 +146,10 @@ class MfsdpBackend:
             gm,
             example_inputs,
             inner_compile=_with_partitioned_passes(compile_fx_inner, plan, dumper, graphs),
-            config_patches={"custom_partitioner_fn": partitioner},
+            # Inductor's peak-memory reordering would move each gather down to its wait and
+            # undo the planned prefetch; schedule_collectives bounds memory instead (see
+            # docs/design.md, "The order under Inductor").
+            config_patches={"custom_partitioner_fn": partitioner, "reorder_for_peak_memory": False},
         )
 
 

@@ -159,8 +159,8 @@ def simulate(graphs: list[CompiledGraph], hardware: Hardware = NVLINK_GPU) -> Si
 
 # NOTE: the table's shapes
 #     Llama-style: Llama 3's dim, depth, MLP width and 128256-token vocabulary, tied embedding,
-#     but full multi-head attention (this model has no grouped KV heads), so "8b" has 8.9 B
-#     parameters and "1b" 1.8 B. bf16 on the wire and in the compute, fp32 gradient reduction;
+#     but full multi-head attention (this model has no grouped KV heads), so "8b" has 8.33 B
+#     parameters and "1b" 1.34 B. bf16 on the wire and in the compute, fp32 gradient reduction;
 #     one fully_shard per block, then the root (FSDP2's recommended wrapping, so the fsdp2
 #     schedule gets its usual per-block units). Each GPU's batch: 2 sequences of 4096 tokens.
 TABLE_SHAPES = {
