@@ -83,8 +83,10 @@ def bucket_index(node: fx.Node) -> int | None:
 
 def is_param_collective(node: fx.Node) -> bool:
     """An all-gather or reduce-scatter that lower_collectives made for sharded parameters
-    (tagged with its bucket once bucketed); other collectives (the user's) are never moved."""
-    return is_collective(node) and (
+    (tagged with its bucket once bucketed): what bucketing merges and scheduling moves. Other
+    collectives (the user's, an all-reduce) are never merged; an all-reduce that only
+    post-processes a parameter's reduce-scatter result moves with that result."""
+    return (is_all_gather(node) or is_reduce_scatter(node)) and (
         node.meta.get("mfsdp_param_id") is not None or bucket_index(node) is not None
     )
 
