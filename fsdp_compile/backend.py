@@ -59,20 +59,25 @@ def _run_graph(gm: fx.GraphModule, example_inputs: Sequence[object], **_: Any):
     return make_boxed_func(gm.forward)
 
 
-def _with_partitioned_passes(compile_graph, plan: Plan, dumper: GraphDumper | None, role=None):
+def _with_partitioned_passes(
+    compile_graph, plan: Plan, dumper: GraphDumper | None, compiled: dict, role=None
+):
     """Wrap a graph compiler so the "partitioned" stage runs on every graph it receives:
     forward and backward after partitioning, and the single graph of inference calls
     (which AOTAutograd compiles without a partitioner). ``role`` names the graph for dumps;
-    None reads it from Inductor's ``is_backward`` / ``is_inference`` arguments."""
+    None reads it from Inductor's ``is_backward`` / ``is_inference`` arguments. Each graph,
+    after its passes, is kept in ``compiled[role]`` (AOTAutograd compiles a copy of the
+    partitioner's backward, so the partitioner's own is not what runs)."""
     pipeline = build_pipeline(plan)
 
     def compile_with_passes(gm: fx.GraphModule, example_inputs: Sequence[object], **kwargs: Any):
         gm = run_passes(gm, plan, pipeline, "partitioned")
+        graph_role = role or (
+            "backward" if kwargs.get("is_backward") else
+            "inference" if kwargs.get("is_inference") else "forward"
+        )
+        compiled[graph_role] = gm
         if dumper is not None:
-            graph_role = role or (
-                "backward" if kwargs.get("is_backward") else
-                "inference" if kwargs.get("is_inference") else "forward"
-            )
             dumper.compiled(graph_role, gm)
         return compile_graph(gm, example_inputs, **kwargs)
 
@@ -87,15 +92,20 @@ class CompiledGraph:
     dynamo: fx.GraphModule
     """The Dynamo graph after the Dynamo-stage passes."""
     partitioner: MfsdpPartitioner
+    compiled: dict[str, fx.GraphModule]
+    """"forward", "backward", "inference": each graph as compiled, after the partitioned-stage
+    passes (bucketing, scheduling)."""
 
     @property
     def forward(self) -> fx.GraphModule:
-        """The partitioned forward graph (available once the graph has been compiled)."""
-        return self.partitioner.partitioned[0]
+        """The partitioned forward graph as compiled (once the graph has been compiled)."""
+        return self.compiled.get("forward", self.partitioner.partitioned[0])
 
     @property
     def backward(self) -> fx.GraphModule:
-        return self.partitioner.partitioned[1]
+        """The backward graph as compiled (once backward has run: AOTAutograd may compile it
+        lazily); until then the partitioner's, before the partitioned-stage passes."""
+        return self.compiled.get("backward", self.partitioner.partitioned[1])
 
 
 class MfsdpBackend:
@@ -118,12 +128,15 @@ class MfsdpBackend:
             dumper.graph("dynamo", gm)
         gm = run_passes(gm, plan, build_pipeline(plan), "dynamo", dumper and dumper.graph)
         partitioner = MfsdpPartitioner(plan, dumper)
-        self.graphs.append(CompiledGraph(plan, gm, partitioner))
+        graphs: dict[str, fx.GraphModule] = {}
+        self.graphs.append(CompiledGraph(plan, gm, partitioner, graphs))
         if self.options.compiler == "eager":
             compiled = aot_autograd(
-                fw_compiler=_with_partitioned_passes(_run_graph, plan, dumper, "forward"),
-                bw_compiler=_with_partitioned_passes(_run_graph, plan, dumper, "backward"),
-                inference_compiler=_with_partitioned_passes(_run_graph, plan, dumper, "inference"),
+                fw_compiler=_with_partitioned_passes(_run_graph, plan, dumper, graphs, "forward"),
+                bw_compiler=_with_partitioned_passes(_run_graph, plan, dumper, graphs, "backward"),
+                inference_compiler=_with_partitioned_passes(
+                    _run_graph, plan, dumper, graphs, "inference"
+                ),
                 partition_fn=partitioner,
             )
             return compiled(gm, example_inputs)
@@ -132,8 +145,11 @@ class MfsdpBackend:
         return compile_fx(
             gm,
             example_inputs,
-            inner_compile=_with_partitioned_passes(compile_fx_inner, plan, dumper),
-            config_patches={"custom_partitioner_fn": partitioner},
+            inner_compile=_with_partitioned_passes(compile_fx_inner, plan, dumper, graphs),
+            # Inductor's peak-memory reordering would move each gather down to its wait and
+            # undo the planned prefetch; schedule_collectives bounds memory instead (see
+            # docs/design.md, "The order under Inductor").
+            config_patches={"custom_partitioner_fn": partitioner, "reorder_for_peak_memory": False},
         )
 
 

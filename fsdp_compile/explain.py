@@ -26,6 +26,7 @@ class Explanation:
     excluded: dict[str, str]
     """Parameter name -> why it is not sharded like the rest (frozen, tied, not managed)."""
     buckets: int
+    """Buckets in the plans (one all-gather, and one reduce-scatter, each per graph)."""
     collectives: dict[str, int]
     """Per training step, by kind and graph, e.g. {"forward all_gather": 31, ...}."""
     bytes_per_step: dict[str, int]
@@ -42,7 +43,7 @@ class Explanation:
         if self.excluded:
             lines.append("special parameters:")
             lines += [f"  {name}: {why}" for name, why in sorted(self.excluded.items())]
-        lines.append(f"buckets: {self.buckets} (one per parameter; bucketing is not built yet)")
+        lines.append(f"buckets: {self.buckets}")
         lines.append("collectives per step:")
         lines += [
             f"  {kind}: {count} ({self.bytes_per_step.get(kind, 0) / 2**20:.2f} MiB)"
@@ -82,12 +83,15 @@ def explain(
     use ``fsdp_compile.schedule``'s cost model for ``hardware``.
     """
     backend = MfsdpBackend(compiler="eager", **options)
-    torch.compile(model, backend=backend)(*example_inputs)
+    # Compile the backward now, with its passes (AOTAutograd otherwise waits for a backward).
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        torch.compile(model, backend=backend)(*example_inputs)
     collectives: dict[str, int] = defaultdict(int)
     moved: dict[str, int] = defaultdict(int)
     step = exposed = 0.0
-    params = {}
+    params, buckets = {}, 0
     for graph in backend.graphs:
+        buckets += len(graph.plan.buckets)
         params.update({p.param_id: p for p in graph.plan.params})
         if graph.partitioner.partitioned is None:
             continue  # a graph without gradients (inference): no backward to count
@@ -107,7 +111,7 @@ def explain(
         managed=len(params),
         managed_bytes=managed_bytes,
         excluded=_special_parameters(model),
-        buckets=len(params),
+        buckets=buckets,
         collectives=dict(collectives),
         bytes_per_step=dict(moved),
         step_seconds=step,

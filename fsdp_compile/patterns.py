@@ -10,6 +10,11 @@ The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = onl
              ─[all_reduce ─ wait_tensor]─[slice]─ div ─[cast]──> .grad     (ZeRO-2/3, [HSDP])
         grad ─[cast]─[+ pending]─ all_reduce ─ wait_tensor ─[slice]─ div ─[cast]──> .grad
                                                                            (no_shard, optim)
+    bucketed (partitioned graphs; collectives tagged meta["mfsdp_bucket"], see bucket_collectives)
+        shards ─ _pre_bucket_all_gather (copy-in) ─ all_gather_into_tensor_out ─ wait_tensor
+            ─ view(world, -1) ─ split ─ reshape (copy-out, per parameter) ─[slice]─ view* ──> use
+        grads ─ view(world, -1) ─ cat (copy-in) ─ reduce_scatter_tensor ─ wait_tensor ─ split
+            ─ view (per parameter) ─[slice]─ div ──> .grad
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:
 UNSHARD = torch.ops.fsdp_compile.unshard.default
 REDUCE_GRAD = torch.ops.fsdp_compile.reduce_grad.default
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+ALL_GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -50,7 +56,8 @@ def is_marker(node: fx.Node) -> bool:
 
 
 def is_all_gather(node: fx.Node) -> bool:
-    return _calls(node, ALL_GATHER)
+    """Either spelling: bucketed gathers write into a preallocated buffer (the ``_out`` op)."""
+    return _calls(node, ALL_GATHER) or _calls(node, ALL_GATHER_OUT)
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
@@ -75,6 +82,31 @@ def is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and bool(
         target.is_view
     )
+
+
+def bucket_index(node: fx.Node) -> int | None:
+    """The plan bucket a parameter collective (or its wait) moves; None for user collectives."""
+    return node.meta.get("mfsdp_bucket")
+
+
+def is_param_collective(node: fx.Node) -> bool:
+    """An all-gather or reduce-scatter that lower_collectives made for sharded parameters
+    (tagged with its bucket once bucketed): what bucketing merges and scheduling moves. Other
+    collectives (the user's, an all-reduce) are never merged; an all-reduce that only
+    post-processes a parameter's reduce-scatter result moves with that result."""
+    return (is_all_gather(node) or is_reduce_scatter(node)) and (
+        node.meta.get("mfsdp_param_id") is not None or bucket_index(node) is not None
+    )
+
+
+def gathered_param_id(node: fx.Node) -> int | None:
+    """``param_id`` when ``node`` is a gathered parameter: an unbucketed gather's wait, or a
+    bucket's per-parameter copy-out; None otherwise."""
+    if node.meta.get("mfsdp_unpacked") is not None:
+        return node.meta["mfsdp_unpacked"]
+    if is_wait(node) and is_all_gather(node.args[0]):
+        return node.meta.get("mfsdp_param_id")
+    return None
 
 
 def marker_param_id(node: fx.Node) -> int:

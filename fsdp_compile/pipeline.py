@@ -44,6 +44,13 @@ def build_pipeline(plan: Plan) -> list[Pass]:
         ),
         Pass("lower_collectives", "joint", passes.lower_collectives, passes.check_lower_collectives),
         Pass("reshard", "joint", passes.reshard, passes.check_reshard),
+        Pass("bucket_collectives", "partitioned", passes.bucket_collectives, passes.check_bucket_collectives),
+        Pass(
+            "schedule_collectives",
+            "partitioned",
+            passes.schedule_collectives,
+            passes.check_schedule_collectives,
+        ),
     ]
     if plan.options.cuda_graph:
         pipeline.append(

@@ -13,8 +13,10 @@ from torch import fx, nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_compile.api import shard_info
+from fsdp_compile.buckets import BucketPlan, plan_buckets
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.ops import GATHERING_STRATEGIES, SCATTERING_STRATEGIES
+from fsdp_compile.patterns import is_unshard, marker_param_id
 
 __all__ = ["ParamPlan", "Plan", "BackendOptions", "build_plan"]
 
@@ -31,6 +33,14 @@ class BackendOptions:
     """Refuse, at compile time, anything a CUDA graph cannot capture (see docs/cuda_graphs.md)."""
     debug_dir: str | None = None
     """Write per-graph dumps here (see fsdp_compile.debug); $MFSDP_DEBUG_DIR does the same."""
+    bucketing: bool = True
+    """One all-gather and one reduce-scatter per bucket (see fsdp_compile.buckets); False: per parameter."""
+    bucket_mb: float | None = None
+    """Cap on a bucket's gathered size in MiB; None: a whole unit (or block) per bucket."""
+    prefetch: int = 1
+    """Buckets whose all-gather is issued before the current bucket's compute starts; 0: none."""
+    max_inflight_bytes: int | None = None
+    """Bound on gathered bytes alive at once; prefetch is shortened to keep under it. None: no bound."""
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -56,7 +66,34 @@ class BackendOptions:
             raise CompileUsageError(
                 f"options['cuda_graph'] must be True or False, got {options['cuda_graph']!r}."
             )
+        _check_schedule_options(options)
         return cls(**options)
+
+    @property
+    def bucket_cap_bytes(self) -> int | None:
+        return None if self.bucket_mb is None else int(self.bucket_mb * 2**20)
+
+
+def _check_schedule_options(options: dict) -> None:
+    if not isinstance(options.get("bucketing", True), bool):
+        raise CompileUsageError(
+            f"options['bucketing'] must be True or False, got {options['bucketing']!r}."
+        )
+    checks = {
+        "bucket_mb": (lambda v: v is None or (_is_number(v) and v > 0), "a positive number of MiB or None"),
+        "prefetch": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
+        "max_inflight_bytes": (
+            lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+            "a positive int (bytes) or None",
+        ),
+    }
+    for name, (valid, expected) in checks.items():
+        if name in options and not valid(options[name]):
+            raise CompileUsageError(f"options[{name!r}] must be {expected}, got {options[name]!r}.")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +168,14 @@ class Plan:
     """Backend options this graph was compiled with."""
     params: tuple[ParamPlan, ...] = field(default=())
     """Sharded parameters the graph reads, in placeholder order."""
+    buckets: tuple[BucketPlan, ...] = field(default=())
+    """Parameters grouped per collective, in the forward's first-read order (fsdp_compile.buckets)."""
+
+    def bucket_of(self, param_id: int) -> BucketPlan:
+        for bucket in self.buckets:
+            if param_id in bucket.param_ids:
+                return bucket
+        raise KeyError(f"parameter {param_id} is in no bucket of plan {self.graph_name}")
 
     def param(self, param_id: int) -> ParamPlan:
         for param in self.params:
@@ -204,4 +249,8 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
             )
         )
     graph_name = gm.meta.get("dynamo_compile_id", None) or getattr(gm, "_mfsdp_name", "graph")
-    return Plan(graph_name=str(graph_name), options=options, params=tuple(params))
+    read_order = [marker_param_id(n) for n in gm.graph.nodes if is_unshard(n)]
+    buckets = plan_buckets(
+        params, read_order, enabled=options.bucketing, cap_bytes=options.bucket_cap_bytes
+    )
+    return Plan(graph_name=str(graph_name), options=options, params=tuple(params), buckets=buckets)

@@ -24,7 +24,7 @@ from torch import fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_compile.patterns import is_all_gather, is_collective, is_wait
+from fsdp_compile.patterns import bucket_index, is_all_gather, is_collective, is_wait
 from fsdp_compile.plan import Plan
 
 __all__ = ["Hardware", "NVLINK_GPU", "Collective", "collective_schedule", "estimate_timeline", "Timeline"]
@@ -58,8 +58,9 @@ class Collective:
     graph: str
     """"forward" or "backward"."""
     param: str
-    """The parameter it moves (its fqn); the bucket until buckets hold several."""
+    """The parameters it moves (their fqns, comma-separated, in bucket-buffer order)."""
     bucket: str
+    """The plan bucket's name (``layers.3``); "(user collective)" for collectives not ours."""
     bytes: int
     """Gathered output bytes (all_gather) or reduced input bytes (reduce_scatter)."""
     group: str
@@ -89,16 +90,20 @@ def collective_schedule(gm: fx.GraphModule, plan: Plan, graph: str) -> list[Coll
         if not is_collective(node):
             continue
         wait = next(u for u in node.users if is_wait(u))
-        param_id = node.meta.get("mfsdp_param_id")
-        fqn = plan.param(param_id).fqn if param_id is not None else "(user collective)"
+        index = bucket_index(node)
+        fqns = (
+            ", ".join(plan.param(i).fqn for i in node.meta["mfsdp_members"])
+            if index is not None
+            else "(user collective)"
+        )
         moved = node.meta["val"] if is_all_gather(node) else node.args[0].meta["val"]
         between = nodes[position[node] + 1 : position[wait]]
         schedule.append(
             Collective(
                 kind="all_gather" if is_all_gather(node) else "reduce_scatter",
                 graph=graph,
-                param=fqn,
-                bucket=fqn,
+                param=fqns,
+                bucket=plan.buckets[index].name if index is not None else fqns,
                 bytes=_nbytes(moved),
                 group=str(node.args[-1]),
                 world=int(node.args[-2]),
@@ -110,6 +115,16 @@ def collective_schedule(gm: fx.GraphModule, plan: Plan, graph: str) -> list[Coll
     return schedule
 
 
+def _signature(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.stride())
+    return value
+
+
+_FLOPS: dict[str, int] = {}
+"""Counted FLOPs by op and argument shapes: a transformer repeats a few dozen signatures."""
+
+
 def _node_flops(node: fx.Node) -> int:
     """FLOPs of one node, counted on its fake tensors (0 when it cannot be counted)."""
     if not isinstance(node.target, torch._ops.OpOverload):
@@ -117,13 +132,20 @@ def _node_flops(node: fx.Node) -> int:
     args, kwargs = tree_map(
         lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
     )
+    key = repr((node.target, tree_map(_signature, (args, kwargs))))
+    if key not in _FLOPS:
+        _FLOPS[key] = _count_flops(node.target, args, kwargs)
+    return _FLOPS[key]
+
+
+def _count_flops(target, args, kwargs) -> int:
     fake_mode = torch._guards.detect_fake_mode(args)
     if fake_mode is None:
         return 0
     counter = FlopCounterMode(display=False)
     try:
         with fake_mode, counter:
-            node.target(*args, **kwargs)
+            target(*args, **kwargs)
     except Exception:  # ops the fake mode cannot rerun standalone (RNG state, in-place views)
         return 0
     return counter.get_total_flops()

@@ -33,4 +33,5 @@ def test_no_gathered_parameter_is_saved_across_a_checkpointed_block(world):
         loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
     (graph,) = backend.graphs
     assert saved_gathered_params(graph.forward) == []
-    assert count_collectives(graph.backward.graph)["all_gather"] >= len(graph.plan.params) - 3
+    # Each recomputed block gathers its bucket again.
+    assert count_collectives(graph.backward.graph)["all_gather"] >= CHECKPOINTED.n_layers

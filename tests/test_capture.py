@@ -5,6 +5,8 @@ The GPU tests skip cleanly without CUDA; the API's misuse errors are checked eve
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,10 @@ from harness import build_model, global_batch, spawn
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 STEPS = 5
+# The bitwise comparison runs the step in two processes: kernels with atomics (the embedding's
+# backward) would differ in the last bit between runs, captured or not. cuBLAS needs this set
+# before CUDA starts to be deterministic; the ranks import this module first.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
@@ -29,6 +35,7 @@ def test_capture_step_needs_a_warmup():
 
 def _train_losses(rank, world, *, cfg: TransformerConfig, mp: bool, captured: bool):
     """Five steps of the compiled step, either called directly or captured and replayed."""
+    torch.use_deterministic_algorithms(True)
     device = torch.device("cuda", rank)
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
     model = fully_shard(build_model(cfg).to(device), mp_policy=policy)

@@ -14,9 +14,9 @@ from fsdp_compile.patterns import ALL_GATHER, count_collectives
 from harness import build_model, fake_process_group
 
 
-def _compile_step(cfg: TransformerConfig, reshard_after_forward: bool):
+def _compile_step(cfg: TransformerConfig, reshard_after_forward: bool, **options):
     model = fully_shard(build_model(cfg), reshard_after_forward=reshard_after_forward)
-    backend = MfsdpBackend(compiler="eager")
+    backend = MfsdpBackend(compiler="eager", **options)
     tokens, targets = make_batch(cfg, 2, 8, 0)
     loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
     (graph,) = backend.graphs
@@ -41,12 +41,13 @@ def test_resharded_forward_saves_no_gathered_param(world):
 def test_collectives_per_step_match_plan(world):
     """One all-gather per planned parameter in forward (tied weights once), one reduce-scatter
     per trainable parameter in backward (frozen ones none), and the backward re-gathers each
-    parameter at most once, covering every parameter the keep-gathered variant saves."""
+    parameter at most once, covering every parameter the keep-gathered variant saves.
+    Unbucketed: per-bucket counts are tests/test_bucketing.py's."""
     cfg = TransformerConfig()
     with fake_process_group(world):
-        model, resharded = _compile_step(cfg, reshard_after_forward=True)
+        model, resharded = _compile_step(cfg, reshard_after_forward=True, bucketing=False)
         torch._dynamo.reset()
-        _, kept = _compile_step(cfg, reshard_after_forward=False)
+        _, kept = _compile_step(cfg, reshard_after_forward=False, bucketing=False)
     plan = resharded.plan
     unique_params = {id(p) for p in model.parameters()}
     assert len(plan.params) == len(unique_params)
@@ -66,11 +67,12 @@ def test_collectives_per_step_match_plan(world):
 
 
 def test_collectives_use_the_mesh_group_and_padded_sizes():
-    """Each lowered all-gather runs on the plan's group with this rank's padded piece."""
+    """Each lowered all-gather runs on the plan's group with this rank's padded piece
+    (unbucketed, so each gather is one parameter's)."""
     cfg = TransformerConfig()
     world = 8
     with fake_process_group(world):
-        _, graph = _compile_step(cfg, reshard_after_forward=True)
+        _, graph = _compile_step(cfg, reshard_after_forward=True, bucketing=False)
     plan = graph.plan
     gathers = [n for n in graph.forward.graph.nodes if n.target == ALL_GATHER]
     for node in gathers:

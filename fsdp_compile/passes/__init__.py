@@ -3,9 +3,11 @@
 Order (see ``fsdp_compile.pipeline.build_pipeline``):
   Dynamo graph:  dedupe_unshards -> check_rank_agreement
   joint graph:   constant_opaque_outputs -> lower_collectives -> reshard -> (min-cut partition)
-  partitioned:   check_cuda_graph (forward and backward; only with options["cuda_graph"])
+  partitioned:   bucket_collectives -> schedule_collectives (forward and backward)
+                 -> check_cuda_graph (only with options["cuda_graph"])
 """
 
+from fsdp_compile.passes.bucket_collectives import bucket_collectives, check_bucket_collectives
 from fsdp_compile.passes.check_cuda_graph import CudaGraphIncompatible, check_cuda_graph
 from fsdp_compile.passes.check_rank_agreement import check_rank_agreement, collective_fingerprint
 from fsdp_compile.passes.constant_opaque_outputs import (
@@ -15,6 +17,15 @@ from fsdp_compile.passes.constant_opaque_outputs import (
 from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_unshards
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
 from fsdp_compile.passes.reshard import check_reshard, reshard, saved_gathered_params
+from fsdp_compile.passes.schedule_collectives import (
+    CollectiveGroup,
+    GatherLifetime,
+    collective_groups,
+    check_schedule_collectives,
+    gather_lifetimes,
+    peak_inflight_bytes,
+    schedule_collectives,
+)
 
 __all__ = [
     "check_rank_agreement",
@@ -30,4 +41,13 @@ __all__ = [
     "reshard",
     "check_reshard",
     "saved_gathered_params",
+    "bucket_collectives",
+    "check_bucket_collectives",
+    "schedule_collectives",
+    "check_schedule_collectives",
+    "gather_lifetimes",
+    "GatherLifetime",
+    "peak_inflight_bytes",
+    "collective_groups",
+    "CollectiveGroup",
 ]

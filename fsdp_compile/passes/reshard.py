@@ -8,7 +8,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.fx_utils import finish
-from fsdp_compile.patterns import is_all_gather, is_view, is_wait
+from fsdp_compile.patterns import gathered_param_id, is_all_gather, is_view, is_wait
 from fsdp_compile.plan import Plan
 
 # The partitioner groups recompute decisions by activation-checkpoint region id; a large id
@@ -78,13 +78,14 @@ def saved_gathered_params(forward: fx.GraphModule) -> list[int]:
     """``param_id`` of every gathered parameter the partitioned forward returns for backward.
 
     Empty for resharded parameters: that is what ``reshard_after_forward=True`` promises.
-    Follows views back to the gather, since a saved view keeps the whole gathered storage.
+    Follows views back to the gather (or the bucket's copy-out), since a saved view keeps the
+    whole gathered storage.
     """
     (output,) = (n for n in forward.graph.nodes if n.op == "output")
     saved = set()
     for node in output.all_input_nodes:
         while is_view(node):
             node = node.all_input_nodes[0]
-        if is_wait(node) and node.meta.get("mfsdp_param_id") is not None:
-            saved.add(node.meta["mfsdp_param_id"])
+        if gathered_param_id(node) is not None:
+            saved.add(gathered_param_id(node))
     return sorted(saved)

@@ -1,0 +1,112 @@
+"""Which parameters share one all-gather and one reduce-scatter: the bucket plan.
+
+A bucket is a run of parameters, consecutive in the order the forward first reads them, that
+share a key: their ``fully_shard`` unit, or, when the root was the only unit, the repeated block
+their fqn names (``layers.3.`` of ``layers.3.attn.wqkv.weight``), plus their process groups, strategy,
+wire dtype and gradient-reduction dtype, so a bucket never mixes groups, strategies or dtypes. A run longer than the byte cap is split
+greedily; a parameter larger than the cap is a bucket of its own. Parameters the root owns
+outside any block (embedding, final norm) form one bucket per run: the embedding's bucket at
+the start of the forward, the final norm's at the end, rather than one bucket gathered at the
+start and held through the whole forward.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from fsdp_compile.plan import ParamPlan
+
+__all__ = ["BucketPlan", "plan_buckets"]
+
+# The first "<name>.<index>." of a dotted path: a ModuleList / Sequential child, i.e. one block.
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketPlan:
+    """One all-gather (and, for its trainable members, one reduce-scatter) per graph."""
+
+    index: int
+    """Position in the forward's first-read order; the key graphs tag their collectives with."""
+    name: str
+    """The members' common module path (``layers.3``), or ``<root>`` when they share none."""
+    param_ids: tuple[int, ...]
+    """Members, in first-read order; their shards lie in this order in the bucket buffer."""
+    group_name: str
+    param_dtype: str
+    """Dtype of the all-gather."""
+    reduce_dtype: str
+    """Dtype of the reduce-scatter."""
+    gathered_bytes: int
+    """Bytes of the gathered bucket (padded rows of every member, all ranks)."""
+
+
+def _block(fqn: str) -> str:
+    match = _BLOCK.match(fqn)
+    return match.group(1) if match else ""
+
+
+def _common_path(fqns: Sequence[str]) -> str:
+    parts = [fqn.split(".")[:-1] for fqn in fqns]
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    return ".".join(common) or "<root>"
+
+
+def plan_buckets(
+    params: Sequence[ParamPlan],
+    read_order: Sequence[int],
+    *,
+    enabled: bool,
+    cap_bytes: int | None,
+) -> tuple[BucketPlan, ...]:
+    """Group ``params`` into buckets (see the module docstring).
+
+    ``read_order`` lists ``param_id``s as the forward first reads them; parameters it misses
+    follow in plan order. ``enabled=False`` gives one bucket per parameter (the unbucketed
+    schedule); ``cap_bytes=None`` leaves runs unsplit.
+    """
+    by_id = {p.param_id: p for p in params}
+    ordered = [by_id[i] for i in dict.fromkeys(read_order) if i in by_id]
+    ordered += [p for p in params if p.param_id not in set(read_order)]
+    one_unit = len({p.unit for p in params}) == 1
+
+    def key(p: ParamPlan) -> tuple:
+        # The strategy and replicate group decide which collectives a member has at all.
+        return (
+            _block(p.fqn) if one_unit else p.unit,
+            p.group_name,
+            p.replicate_group_name,
+            p.strategy,
+            p.param_dtype,
+            p.reduce_dtype,
+        )
+
+    runs: list[list[ParamPlan]] = []
+    for param in ordered:
+        last = runs[-1] if runs else None
+        fits = last is not None and (
+            cap_bytes is None or sum(p.gathered_bytes for p in last) + param.gathered_bytes <= cap_bytes
+        )
+        if enabled and fits and key(last[0]) == key(param):
+            last.append(param)
+        else:
+            runs.append([param])
+    return tuple(
+        BucketPlan(
+            index=i,
+            name=_common_path([p.fqn for p in run]),
+            param_ids=tuple(p.param_id for p in run),
+            group_name=run[0].group_name,
+            param_dtype=run[0].param_dtype,
+            reduce_dtype=run[0].reduce_dtype,
+            gathered_bytes=sum(p.gathered_bytes for p in run),
+        )
+        for i, run in enumerate(runs)
+    )

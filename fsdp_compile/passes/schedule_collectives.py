@@ -1,0 +1,288 @@
+"""Pass (partitioned graphs): where each bucket's collective is issued and where it is waited on.
+
+NOTE: the planned order
+    All-gathers: the graph's gathers are ranked by the first use of their bucket in this
+    graph (the forward's order in forward, roughly its reverse in backward). With prefetch
+    distance ``d`` (``options["prefetch"]``), the gather ranked ``j`` is issued right before the
+    first use of the bucket ranked ``j - d`` (with the first ``d`` gathers at the first use of
+    all), so it runs on the communication stream while buckets ``j - d .. j - 1`` compute. Its
+    wait, with the bucket's copy-out, sits right before the bucket's first use. With
+    ``options["max_inflight_bytes"]`` a gather's distance shrinks (down to 0) where issuing it
+    earlier would push gathered bytes alive above the bound; see ``gather_lifetimes`` for how
+    alive bytes are counted.
+    Reduce-scatters: issued as soon as the bucket's last gradient exists; each is waited right
+    after the next one is issued (the last one right before the graph returns), so it overlaps
+    the next bucket's backward compute while at most two gradient buckets are in flight
+    (FSDP2's rule). Everything else keeps the partitioner's order.
+
+The graph's node order is the execution order of the eager FX runner; Inductor schedules
+its own kernels from it (see docs/design.md, "The order under Inductor").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.fx_utils import finish
+from fsdp_compile.patterns import is_all_gather, is_param_collective, is_view
+from fsdp_compile.plan import Plan
+
+__all__ = [
+    "schedule_collectives",
+    "check_schedule_collectives",
+    "gather_lifetimes",
+    "GatherLifetime",
+    "peak_inflight_bytes",
+    "collective_groups",
+    "CollectiveGroup",
+]
+
+
+@dataclass(frozen=True)
+class CollectiveGroup:
+    """One parameter collective: what moves with its issue, and with its wait."""
+
+    collective: fx.Node
+    issue: tuple[fx.Node, ...]
+    """Copy-in (casts, pads, the bucket's packing) and the collective, in graph order."""
+    wait: tuple[fx.Node, ...]
+    """The wait and what only unpacks its result (copy-out, slices, the gradient's division)."""
+
+    @property
+    def nbytes(self) -> int:
+        val = self.collective.meta["val"] if is_all_gather(self.collective) else self.collective.args[0].meta["val"]
+        return val.numel() * val.element_size()
+
+
+def _bucket(node: fx.Node, plan: Plan) -> int | None:
+    if node.meta.get("mfsdp_bucket") is not None:
+        return node.meta["mfsdp_bucket"]
+    param_id = node.meta.get("mfsdp_param_id")
+    return None if param_id is None else plan.bucket_of(param_id).index
+
+
+def _views_placeholder(node: fx.Node) -> bool:
+    while is_view(node) and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return node.op == "placeholder"
+
+
+def _group(collective: fx.Node, plan: Plan, claimed: set[fx.Node]) -> tuple[set, set]:
+    """The nodes that move with ``collective``'s issue, and with its wait."""
+    bucket = _bucket(collective, plan)
+
+    def mine(node: fx.Node) -> bool:
+        return node.op == "call_function" and _bucket(node, plan) == bucket
+
+    def feeds(node: fx.Node) -> bool:
+        # Its tagged copy-in, and views (of shards, or of a gradient) the partitioner created
+        # untagged. Compute never moves with a collective.
+        return mine(node) or is_view(node)
+
+    issue, candidates = {collective}, [n for n in collective.all_input_nodes if feeds(n)]
+    while candidates:
+        node = candidates.pop()
+        if node in claimed or node in issue:
+            continue
+        # A view of a shard may also be saved for backward: it moves anyway, being free.
+        if all(u in issue for u in node.users) or _views_placeholder(node):
+            issue.add(node)
+            candidates.extend(n for n in node.all_input_nodes if feeds(n))
+    (wait,) = collective.users
+    unpack, frontier = {wait}, list(wait.users)
+    while frontier:  # views of the result move with it: they cost nothing
+        node = frontier.pop()
+        if (mine(node) or (is_view(node) and len(node.all_input_nodes) == 1)) and node not in unpack:
+            unpack.add(node)
+            frontier.extend(node.users)
+    return issue, unpack
+
+
+def collective_groups(gm: fx.GraphModule, plan: Plan) -> list[CollectiveGroup]:
+    """Every parameter collective of ``gm`` with the nodes that move with its issue and wait."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    groups, claimed = [], set()
+    for collective in gm.graph.nodes:
+        if not is_param_collective(collective):
+            continue
+        issue, unpack = _group(collective, plan, claimed)
+        claimed |= issue | unpack
+        groups.append(
+            CollectiveGroup(
+                collective,
+                tuple(sorted(issue, key=position.__getitem__)),
+                tuple(sorted(unpack, key=position.__getitem__)),
+            )
+        )
+    return groups
+
+
+def _first_use(group: CollectiveGroup, index: dict[fx.Node, int], end: int) -> int:
+    users = [u for n in group.wait for u in n.users if u not in group.wait]
+    return min((index[u] for u in users), default=end)
+
+
+def _last_use(group: CollectiveGroup, index: dict[fx.Node, int], end: int) -> int:
+    """Last position where a gathered member, or a view of one, is read (end: returned; -1:
+    never read)."""
+    last, frontier, seen = -1, list(group.wait), set(group.wait)
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            if user.op == "output":
+                return end
+            last = max(last, index[user])
+            if is_view(user):
+                seen.add(user)
+                frontier.append(user)
+    return last
+
+
+def _earliest(nodes: tuple[fx.Node, ...], index: dict[fx.Node, int]) -> int:
+    """First slot after every input the group takes from the unmoved nodes."""
+    inputs = [i for n in nodes for i in n.all_input_nodes if i not in nodes and i in index]
+    return max((index[i] + 1 for i in inputs), default=0)
+
+
+def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, dict]:
+    """Issue and wait slots of every gather (slot s = right before the s-th unmoved node)."""
+    gathers = sorted(gathers, key=lambda g: _first_use(g, rest_index, end))
+    uses = [_first_use(g, rest_index, end) for g in gathers]
+    bound = plan.options.max_inflight_bytes
+    issue_slot, wait_slot, distance = {}, {}, {}
+    alive: list[tuple[int, int, int]] = []  # (from slot, to slot, bytes) of placed gathers
+    for rank, group in enumerate(gathers):
+        last = max(_last_use(group, rest_index, end), uses[rank])
+        wait_slot[group] = uses[rank]
+        for k in range(min(plan.options.prefetch, rank), -1, -1):
+            start = max(uses[rank - k], _earliest(group.issue, rest_index))
+            peak = max(
+                sum(b for lo, hi, b in alive if lo <= s <= hi) + group.nbytes for s in range(start, last + 1)
+            ) if bound is not None else 0
+            if bound is None or peak <= bound:
+                break
+        else:
+            raise CompileUsageError(
+                f"options['max_inflight_bytes']={bound} is below what graph {plan.graph_name} "
+                f"needs without any prefetch ({peak} bytes of gathered parameters alive while "
+                f"bucket {plan.buckets[group.collective.meta['mfsdp_bucket']].name} is in use): "
+                "raise it, or set a smaller options['bucket_mb']."
+            )
+        issue_slot[group] = start
+        distance[group] = sum(1 for use in uses[:rank] if use >= start)  # less than k if inputs came late
+        alive.append((start, last, group.nbytes))
+    return issue_slot, wait_slot, distance
+
+
+def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Afterwards collectives stand where NOTE: the planned order puts them: each all-gather
+    issued ``prefetch`` buckets ahead (less only where ``max_inflight_bytes`` or its inputs
+    forbid), each all-gather wait right before its bucket's first use, each reduce-scatter
+    issued once its gradients exist and waited after the next one is issued. The prefetch
+    distance each bucket got is recorded in ``gm.meta["mfsdp_prefetch"]`` (bucket -> distance).
+    """
+    groups = collective_groups(gm, plan)
+    if not groups:
+        return gm
+    moved = {n for g in groups for n in g.issue + g.wait}
+    rest = [n for n in gm.graph.nodes if n not in moved]
+    rest_index = {n: i for i, n in enumerate(rest)}
+    end = len(rest) - 1  # the output node's slot
+    gathers = [g for g in groups if is_all_gather(g.collective)]
+    issue_slot, wait_slot, distance = _place_gathers(gathers, rest_index, end, plan)
+    scatters = sorted(
+        (g for g in groups if not is_all_gather(g.collective)), key=lambda g: _earliest(g.issue, rest_index)
+    )
+    for group in scatters:
+        issue_slot[group] = _earliest(group.issue, rest_index)
+    for i, group in enumerate(scatters):
+        wait_slot[group] = issue_slot[scatters[i + 1]] if i + 1 < len(scatters) else end
+
+    before: list[list[fx.Node]] = [[] for _ in rest]
+    ordered = sorted(gathers, key=issue_slot.get) + scatters  # gathers first: on the critical path
+    for group in ordered:
+        before[issue_slot[group]].extend(group.issue)
+    for group in scatters + sorted(gathers, key=wait_slot.get):
+        before[wait_slot[group]].extend(group.wait)
+    output = rest[-1]
+    for slot, node in enumerate(rest[:-1]):
+        for placed in before[slot] + [node]:
+            output.prepend(placed)
+    for placed in before[end]:
+        output.prepend(placed)
+    gm.meta["mfsdp_prefetch"] = {g.collective.meta["mfsdp_bucket"]: k for g, k in distance.items()}
+    return finish(gm)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatherLifetime:
+    """One parameter all-gather of a graph, by positions in the graph's node order."""
+
+    bucket: int
+    rank: int
+    """Its rank among the graph's gathers by first use."""
+    issue: int
+    wait: int
+    first_use: int
+    """First node reading the gathered bucket (the graph's length when only returned)."""
+    last_use: int
+    """Last node reading a member or a view of one; the graph's length when returned."""
+    nbytes: int
+    """Gathered bytes, alive from ``issue`` to ``last_use``: the transient copy-out (bucket
+    and member copies both alive) is not counted."""
+
+
+def gather_lifetimes(gm: fx.GraphModule, plan: Plan) -> list[GatherLifetime]:
+    """Every parameter all-gather of ``gm``, by rank: what the checks and the tests hold."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes) - 1
+    gathers = [g for g in collective_groups(gm, plan) if is_all_gather(g.collective)]
+    gathers.sort(key=lambda g: _first_use(g, index, end))
+    return [
+        GatherLifetime(
+            bucket=_bucket(g.collective, plan),
+            rank=rank,
+            issue=index[g.collective],
+            wait=index[g.wait[0]],
+            first_use=_first_use(g, index, end),
+            last_use=_last_use(g, index, end),
+            nbytes=g.nbytes,
+        )
+        for rank, g in enumerate(gathers)
+    ]
+
+
+def peak_inflight_bytes(lifetimes: list[GatherLifetime]) -> int:
+    """Most gathered bytes alive at one node, counting each gather from issue to last use."""
+    events = sorted([(t.issue, t.nbytes) for t in lifetimes] + [(t.last_use + 1, -t.nbytes) for t in lifetimes])
+    peak = alive = 0
+    for _, change in events:
+        alive += change
+        peak = max(peak, alive)
+    return peak
+
+
+def check_schedule_collectives(gm: fx.GraphModule, plan: Plan) -> None:
+    nodes = list(gm.graph.nodes)
+    moved = {n for g in collective_groups(gm, plan) for n in g.issue + g.wait}
+    lifetimes = gather_lifetimes(gm, plan)
+    uses = [t.first_use for t in lifetimes]
+    prefetch = gm.meta.get("mfsdp_prefetch", {})
+    for t in lifetimes:
+        between = nodes[t.wait + 1 : t.first_use]
+        assert all(n in moved for n in between), (
+            f"bucket {t.bucket}: compute between its wait and its first use: {[n.name for n in between]}"
+        )
+        expected = prefetch.get(t.bucket, min(plan.options.prefetch, t.rank))
+        ahead = sum(1 for use in uses[: t.rank] if use > t.issue)
+        assert ahead >= expected, f"bucket {t.bucket} issued {ahead} bucket(s) ahead, planned {expected}"
+    bound = plan.options.max_inflight_bytes
+    if bound is not None:
+        peak = peak_inflight_bytes(lifetimes)
+        assert peak <= bound, f"{peak} gathered bytes alive at once, above max_inflight_bytes={bound}"

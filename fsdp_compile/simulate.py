@@ -1,0 +1,263 @@
+"""``simulate``: step time, exposed communication and peak memory of a compiled step, at scale.
+
+Plays a compiled graph's forward and backward with ``fsdp_compile.schedule``'s two-stream cost
+model (FLOP-counted compute, ring alpha-beta collectives) for a ``Hardware``, and compares three
+schedules of the same bucketed graphs:
+
+- ``no_overlap``: every collective waited on right where it is issued, each gather issued at its
+  bucket's first use (prefetch 0): communication never hides behind compute;
+- ``fsdp2``: FSDP2's rules on the same buckets (one per ``fully_shard`` unit when the model is
+  wrapped per block): the next unit's gather issued before the current unit computes, forward
+  and backward, each reduce-scatter waited after the next is issued;
+- ``ours``: the graphs exactly as compiled (with the options they were compiled with).
+
+Peak memory is a liveness count over the node order (``peak_memory``): inputs (shards,
+activations saved for backward) stay resident, every other tensor lives from the node that
+allocates it to its last reader, views and waits alias their input, and a collective's input
+stays alive until its wait (the communication library holds it). It covers what the graphs
+allocate, not the optimizer step or allocator fragmentation.
+
+``python -m fsdp_compile.simulate --table`` traces Llama-style 1B and 8B shapes on the fake
+process group (meta device: no weights, no data) and prints docs/performance.md's table.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fsdp_compile.backend import CompiledGraph
+from fsdp_compile.passes.schedule_collectives import collective_groups, schedule_collectives
+from fsdp_compile.patterns import is_collective, is_view, is_wait
+from fsdp_compile.plan import Plan
+from fsdp_compile.schedule import NVLINK_GPU, Hardware, estimate_timeline
+
+__all__ = ["simulate", "Simulation", "ScheduleEstimate", "peak_memory", "INFINIBAND_GPU"]
+
+INFINIBAND_GPU = dataclasses.replace(NVLINK_GPU, name="H100-class GPU, InfiniBand", link=50e9, latency=5e-6)
+"""An H100-class GPU whose collectives cross InfiniBand at ~50 GB/s per GPU."""
+
+SCHEDULES = ("no_overlap", "fsdp2", "ours")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleEstimate:
+    step_seconds: float
+    """Forward plus backward, both streams drained."""
+    exposed_comm_seconds: float
+    """Time the compute stream waited on a collective."""
+    peak_bytes: int
+    """Most bytes the step's graphs hold at once (see ``peak_memory``)."""
+
+    @property
+    def exposed_fraction(self) -> float:
+        return self.exposed_comm_seconds / max(self.step_seconds, 1e-30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Simulation:
+    hardware: Hardware
+    world: int
+    schedules: dict[str, ScheduleEstimate]
+    """"no_overlap", "fsdp2", "ours" -> the estimate for that schedule of the same graphs."""
+
+
+def _storage(node: fx.Node) -> fx.Node:
+    """The node whose allocation ``node``'s result lives in (itself unless it aliases)."""
+    while node.op == "call_function" and (is_view(node) or is_wait(node) or node.target is operator.getitem):
+        source = node.args[0]
+        if node.target is operator.getitem and not is_view(source):
+            break  # an element of a tuple of fresh tensors (not of a split): its own allocation
+        node = source
+    if "out" in node.kwargs:  # all_gather_into_tensor_out fills a buffer made before it
+        return _storage(node.kwargs["out"])
+    return node
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) and not val.is_sparse else 0
+
+
+def peak_memory(gm: fx.GraphModule) -> int:
+    """Most bytes alive at once while ``gm`` runs in its node order (see the module docstring)."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+    last: dict[fx.Node, int] = {}
+    for node in nodes:
+        readers = [position[u] if u.op != "output" else end for u in node.users]
+        if is_collective(node):  # its input is held until the wait
+            readers += [position[u] for u in node.users if is_wait(u)]
+            for arg in node.all_input_nodes:
+                root = _storage(arg)
+                last[root] = max(last.get(root, 0), *readers)
+        root = _storage(node)
+        last[root] = max([last.get(root, position[node]), position[node], *readers])
+    resident = sum(_nbytes(n) for n in nodes if n.op == "placeholder")
+    frees: dict[int, int] = {}
+    for root, when in last.items():
+        if root.op != "placeholder":
+            frees[when] = frees.get(when, 0) + _nbytes(root)
+    alive = peak = resident
+    for i, node in enumerate(nodes):
+        if node.op == "call_function" and _storage(node) is node:
+            alive += _nbytes(node)
+        peak = max(peak, alive)
+        alive -= frees.get(i, 0)
+    return peak
+
+
+def _rescheduled(gm: fx.GraphModule, plan: Plan, prefetch: int) -> fx.GraphModule:
+    copied = copy.deepcopy(gm)
+    options = dataclasses.replace(plan.options, prefetch=prefetch, max_inflight_bytes=None)
+    return schedule_collectives(copied, dataclasses.replace(plan, options=options))
+
+
+def _waited_at_issue(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Each collective's wait (and what unpacks it) moved right after the collective."""
+    for group in collective_groups(gm, plan):
+        anchor = group.collective
+        for node in group.wait:
+            anchor.append(node)
+            anchor = node
+    gm.graph.lint()
+    return gm
+
+
+def _graphs(graph: CompiledGraph, schedule: str) -> list[tuple[str, fx.GraphModule]]:
+    pairs = [("forward", graph.forward), ("backward", graph.backward)]
+    if schedule == "ours":
+        return pairs
+    if schedule == "fsdp2":
+        return [(role, _rescheduled(gm, graph.plan, prefetch=1)) for role, gm in pairs]
+    return [(role, _waited_at_issue(_rescheduled(gm, graph.plan, prefetch=0), graph.plan)) for role, gm in pairs]
+
+
+def simulate(graphs: list[CompiledGraph], hardware: Hardware = NVLINK_GPU) -> Simulation:
+    """Estimate one training step of ``graphs`` (a backend's ``.graphs``: each compiled with
+    its backward, at the world size it was traced at) on ``hardware``, for each schedule."""
+    estimates = {}
+    for schedule in SCHEDULES:
+        step = exposed = 0.0
+        peak = 0
+        for graph in graphs:
+            for role, gm in _graphs(graph, schedule):
+                timeline = estimate_timeline(gm, role, hardware)
+                step += timeline.step_seconds
+                exposed += timeline.exposed_comm_seconds
+                peak = max(peak, peak_memory(gm))
+        estimates[schedule] = ScheduleEstimate(step_seconds=step, exposed_comm_seconds=exposed, peak_bytes=peak)
+    world = max(p.world for g in graphs for p in g.plan.params)
+    return Simulation(hardware=hardware, world=world, schedules=estimates)
+
+
+# NOTE: the table's shapes
+#     Llama-style: Llama 3's dim, depth, MLP width and 128256-token vocabulary, tied embedding,
+#     but full multi-head attention (this model has no grouped KV heads), so "8b" has 8.33 B
+#     parameters and "1b" 1.34 B. bf16 on the wire and in the compute, fp32 gradient reduction;
+#     one fully_shard per block, then the root (FSDP2's recommended wrapping, so the fsdp2
+#     schedule gets its usual per-block units). Each GPU's batch: 2 sequences of 4096 tokens.
+TABLE_SHAPES = {
+    "1b": dict(vocab=128256, dim=2048, n_layers=16, n_heads=32, hidden=8192, max_seq=4096),
+    "8b": dict(vocab=128256, dim=4096, n_layers=32, n_heads=32, hidden=14336, max_seq=4096),
+}
+TABLE_WORLDS = (8, 64, 512)
+TABLE_HARDWARE = (NVLINK_GPU, INFINIBAND_GPU)
+LOCAL_BATCH, SEQ = 2, 4096
+
+
+def trace_step(
+    shape: dict, world: int, *, batch: int = LOCAL_BATCH, seq: int = SEQ, **options
+) -> list[CompiledGraph]:
+    """Compile one training step of a ``Transformer(shape)`` on ``batch`` x ``seq`` tokens per
+    rank at ``world`` ranks, on the fake process group and the meta device: the graphs the
+    backend would compile, without weights. ``options`` go to the backend."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
+    from fsdp_compile.models import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(**shape)
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        for block in model.layers:
+            fully_shard(block, mp_policy=bf16)
+        fully_shard(model, mp_policy=bf16)
+        backend = MfsdpBackend(compiler="eager", **options)
+        tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        torch._dynamo.reset()
+        # Compile the backward with the forward: no backward needs to run.
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            torch.compile(model, backend=backend)(tokens)
+        return backend.graphs
+    finally:
+        dist.destroy_process_group()
+
+
+def table(shapes=tuple(TABLE_SHAPES), worlds=TABLE_WORLDS, hardware=TABLE_HARDWARE) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        for world in worlds:
+            graphs = trace_step(TABLE_SHAPES[shape], world)
+            for hw in hardware:
+                sim = simulate(graphs, hw)
+                rows.append({"shape": shape, "world": world, "link": hw.name, **{
+                    name: {
+                        "step_ms": est.step_seconds * 1e3,
+                        "exposed_ms": est.exposed_comm_seconds * 1e3,
+                        "exposed_pct": 100 * est.exposed_fraction,
+                        "peak_gib": est.peak_bytes / 2**30,
+                    }
+                    for name, est in sim.schedules.items()
+                }})
+    return rows
+
+
+def _markdown(rows: list[dict]) -> str:
+    head = (
+        "| shape | GPUs | link | step ms: no overlap / fsdp2 / ours | exposed comm: no overlap / "
+        "fsdp2 / ours | peak GiB: no overlap / fsdp2 / ours |\n| --- | ---: | --- | ---: | ---: | ---: |"
+    )
+    lines = [head]
+    for r in rows:
+        cols = [r[s] for s in SCHEDULES]
+        lines.append(
+            f"| {r['shape']} | {r['world']} | {r['link'].split(', ')[-1]} | "
+            + " / ".join(f"{c['step_ms']:.1f}" for c in cols) + " | "
+            + " / ".join(f"{c['exposed_pct']:.1f}%" for c in cols) + " | "
+            + " / ".join(f"{c['peak_gib']:.2f}" for c in cols) + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m fsdp_compile.simulate", description=__doc__.split("\n")[0])
+    parser.add_argument("--table", action="store_true", help="print docs/performance.md's simulator table")
+    parser.add_argument("--shapes", default=",".join(TABLE_SHAPES), help="comma-separated: 1b,8b")
+    parser.add_argument("--worlds", default=",".join(map(str, TABLE_WORLDS)))
+    parser.add_argument("--json", help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not args.table:
+        parser.error("nothing to do: pass --table")
+    rows = table(tuple(args.shapes.split(",")), tuple(int(w) for w in args.worlds.split(",")))
+    print(_markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
