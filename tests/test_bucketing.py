@@ -88,6 +88,7 @@ def _param(
         param_id=param_id, fqn=fqn, unit=unit, global_shape=(rows, 4), shard_rows=rows // 2,
         dtype=dtype, param_dtype=dtype, reduce_dtype=dtype, strategy=strategy, group_name=group,
         world=2, rank=0, replicate_group_name=replicas, replicate_world=2 if replicas else 1,
+        grad_divisor=4 if replicas else 2,
         requires_grad=True, reshard_after_forward=True,
     )
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fsdp_compile import MfsdpBackend, UsageError, expert_mesh, fully_shard, shard_info
 from fsdp_compile.expert_parallel import RemoteExpert
 from fsdp_compile.models import GroupedExperts, TransformerConfig, loss_fn, make_batch
-from fsdp_compile.patterns import is_all_gather, is_collective
+from fsdp_compile.patterns import bucket_index, is_all_gather, is_collective
 from harness import (
     assert_parity,
     build_model,
@@ -221,13 +221,24 @@ def test_no_expert_parameter_shares_a_group_with_a_dense_parameter(fused, shard_
     assert not {p.unit for p in plan_experts} & {p.unit for p in dense}
     assert {(p.world, p.grad_divisor) for p in plan_experts} == {(WORLD // EP, WORLD)}
     (edp_group,) = {p.group_name for p in plan_experts}
+    # No DP bucket holds an expert parameter: a bucket is all experts or none.
+    for bucket in graph.plan.buckets:
+        members = set(bucket.param_ids)
+        assert members <= experts or not members & experts, bucket
     gathered, reduced = set(), set()
     for gm in (graph.forward, graph.backward):
         for node in gm.graph.nodes:
-            param_id = node.meta.get("mfsdp_param_id")
-            if param_id in experts and is_collective(node):
+            if not is_collective(node):
+                continue
+            index = bucket_index(node)
+            members = (
+                set(graph.plan.buckets[index].param_ids)
+                if index is not None
+                else {node.meta.get("mfsdp_param_id")}
+            )
+            if members & experts:
                 assert node.args[-1] == edp_group, node.format_node()
-                (gathered if is_all_gather(node) else reduced).add(param_id)
+                (gathered if is_all_gather(node) else reduced).update(members)
     assert gathered == (experts if shard_experts else set())
     assert reduced == experts
 
