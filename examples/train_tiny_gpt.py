@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 import fsdp_compile  # noqa: F401  (registers backend="mfsdp"; the entry point does too)
 from fsdp_compile import fully_shard
+from launch import init_torchrun
 from fsdp_compile.models import Transformer, TransformerConfig, loss_fn
 
 
@@ -42,13 +42,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    compiler = args.compiler or ("inductor" if use_cuda else "eager")
+    rank, world, device, compiler = init_torchrun(args.compiler)
 
     cfg = TransformerConfig(vocab=97, dim=64, n_layers=3, n_heads=4, hidden=172, max_seq=args.seq)
     torch.manual_seed(0)  # every rank builds the same weights; fully_shard keeps its own rows

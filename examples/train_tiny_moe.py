@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 import fsdp_compile  # noqa: F401  (registers backend="mfsdp"; the entry point does too)
 from fsdp_compile import expert_mesh, fully_shard
+from launch import init_torchrun
 from fsdp_compile.models import Transformer, TransformerConfig, loss_fn
 
 
@@ -64,13 +64,7 @@ def parse_args() -> RunConfig:
 
 def main() -> None:
     run = parse_args()
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    compiler = run.compiler or ("inductor" if use_cuda else "eager")
+    rank, world, device, compiler = init_torchrun(run.compiler)
 
     cfg = TransformerConfig(
         vocab=97, dim=64, n_layers=2, n_heads=4, hidden=128, max_seq=run.seq,
