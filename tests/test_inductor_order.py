@@ -46,11 +46,12 @@ def _gathers_ahead(events: list[str]) -> list[int]:
 
 
 def test_inductor_code_issues_collectives_in_the_planned_order():
-    """With the Inductor compiler the generated backward calls every collective and wait in the
-    scheduled graph's order, and the forward keeps each gather's prefetch except the last one
-    (Inductor moves the final norm's gather after the previous wait; docs/design.md, "The
-    order under Inductor"). Without options["compiler"]'s config patch, Inductor's peak-memory
-    reordering put every wait right after its gather and this test failed."""
+    """With the Inductor compiler the generated forward and backward call every collective and
+    wait in the scheduled graph's order, so every planned prefetch survives. Without
+    options["compiler"]'s config patch, Inductor's peak-memory reordering put every wait right
+    after its gather; with the gather issued after the glue between two blocks (before
+    schedule_collectives issued it where that glue starts), Inductor's fusion of the glue with
+    the next block's first use pulled the previous wait in front of the final norm's gather."""
     cfg = TransformerConfig(n_layers=2)
     with fake_process_group(8):
         model = fully_shard(build_model(cfg))
@@ -61,8 +62,7 @@ def test_inductor_code_issues_collectives_in_the_planned_order():
     (graph,) = backend.graphs
     planned_forward, planned_backward = (_graph_events(graph.compiled[r]) for r in ("forward", "backward"))
     assert _code_events(backward_code) == planned_backward
-    forward = _code_events(forward_code)
-    assert forward.count("issue") == planned_forward.count("issue") == len(graph.plan.buckets)
-    planned_ahead, ahead = _gathers_ahead(planned_forward), _gathers_ahead(forward)
+    assert _code_events(forward_code) == planned_forward
+    assert planned_forward.count("issue") == len(graph.plan.buckets)
+    planned_ahead = _gathers_ahead(planned_forward)
     assert planned_ahead[1:] == [1] * (len(planned_ahead) - 1)  # prefetch 1
-    assert ahead[:-1] == planned_ahead[:-1], (ahead, planned_ahead)

@@ -3,10 +3,17 @@
 NOTE: the planned order
     All-gathers: the graph's gathers are ranked by the first use of their bucket in this
     graph (the forward's order in forward, roughly its reverse in backward). With prefetch
-    distance ``d`` (``options["prefetch"]``), the gather ranked ``j`` is issued right before the
-    first use of the bucket ranked ``j - d`` (with the first ``d`` gathers at the first use of
-    all), so it runs on the communication stream while buckets ``j - d .. j - 1`` compute. Its
-    wait, with the bucket's copy-out, sits right before the bucket's first use. With
+    distance ``d`` (``options["prefetch"]``), the gather ranked ``j`` is issued where the compute
+    leading to the bucket ranked ``j - d`` starts: right after the last node before that
+    bucket's first use that reads an earlier gathered bucket (the first ``d`` gathers: at the
+    start of the graph, where a backward has the loss's gradient to compute before any bucket
+    is read), so it runs on the communication stream while buckets
+    ``j - d .. j - 1`` compute. The glue between two buckets (a residual add, the part of a norm
+    before its weight) comes after the issue because Inductor fuses it with the next bucket's
+    first use, and a fused kernel needs the wait before it: issued after the glue, the gather
+    would be pushed behind the previous wait. Its wait, with the bucket's copy-out, sits right
+    before the bucket's first use. The bytes alive do not grow: the buckets read before the
+    issue point are dead there. With
     ``options["max_inflight_bytes"]`` a gather's distance shrinks (down to 0) where issuing it
     earlier would push gathered bytes alive above the bound; see ``gather_lifetimes`` for how
     alive bytes are counted.
@@ -125,22 +132,29 @@ def _first_use(group: CollectiveGroup, index: dict[fx.Node, int], end: int) -> i
     return min((index[u] for u in users), default=end)
 
 
-def _last_use(group: CollectiveGroup, index: dict[fx.Node, int], end: int) -> int:
-    """Last position where a gathered member, or a view of one, is read (end: returned; -1:
-    never read)."""
-    last, frontier, seen = -1, list(group.wait), set(group.wait)
+def _glue_start(use: int, reads: list[int]) -> int:
+    """Slot right after the last read of an earlier gathered bucket before slot ``use``."""
+    return max((r + 1 for r in reads if r < use), default=use)
+
+
+def _reads(group: CollectiveGroup, index: dict[fx.Node, int]) -> list[int]:
+    """Positions of the nodes that read the gathered bucket or a view of it."""
+    reads, frontier, seen = [], list(group.wait), set(group.wait)
     while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user in seen:
+        for user in frontier.pop().users:
+            if user in seen or user not in index:
                 continue
-            if user.op == "output":
-                return end
-            last = max(last, index[user])
+            seen.add(user)
+            reads.append(index[user])
             if is_view(user):
-                seen.add(user)
                 frontier.append(user)
-    return last
+    return reads
+
+
+def _last_use(group: CollectiveGroup, index: dict[fx.Node, int]) -> int:
+    """Last position where a gathered member, or a view of one, is read (the output's when
+    returned; -1: never read)."""
+    return max(_reads(group, index), default=-1)
 
 
 def _earliest(nodes: tuple[fx.Node, ...], index: dict[fx.Node, int]) -> int:
@@ -153,14 +167,19 @@ def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, di
     """Issue and wait slots of every gather (slot s = right before the s-th unmoved node)."""
     gathers = sorted(gathers, key=lambda g: _first_use(g, rest_index, end))
     uses = [_first_use(g, rest_index, end) for g in gathers]
+    # starts[r]: where the compute leading to the bucket ranked r begins (NOTE: the planned order)
+    reads = [_reads(g, rest_index) for g in gathers]
+    starts = [0] * bool(gathers) + [
+        _glue_start(uses[r], [p for earlier in reads[:r] for p in earlier]) for r in range(1, len(gathers))
+    ]
     bound = plan.options.max_inflight_bytes
     issue_slot, wait_slot, distance = {}, {}, {}
     alive: list[tuple[int, int, int]] = []  # (from slot, to slot, bytes) of placed gathers
     for rank, group in enumerate(gathers):
-        last = max(_last_use(group, rest_index, end), uses[rank])
+        last = max(max(reads[rank], default=-1), uses[rank])
         wait_slot[group] = uses[rank]
         for k in range(min(plan.options.prefetch, rank), -1, -1):
-            start = max(uses[rank - k], _earliest(group.issue, rest_index))
+            start = max(starts[rank - k], _earliest(group.issue, rest_index))
             peak = max(
                 sum(b for lo, hi, b in alive if lo <= s <= hi) + group.nbytes for s in range(start, last + 1)
             ) if bound is not None else 0
@@ -251,7 +270,7 @@ def gather_lifetimes(gm: fx.GraphModule, plan: Plan) -> list[GatherLifetime]:
             issue=index[g.collective],
             wait=index[g.wait[0]],
             first_use=_first_use(g, index, end),
-            last_use=_last_use(g, index, end),
+            last_use=_last_use(g, index),
             nbytes=g.nbytes,
         )
         for rank, g in enumerate(gathers)
