@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_compile  # noqa: F401  (registers backend="mfsdp"; the entry point does too)
-from fsdp_compile import expert_mesh, fully_shard
+from fsdp_compile import clip_grad_norm_, expert_mesh, fully_shard
 from launch import init_torchrun
 from fsdp_compile.models import Transformer, TransformerConfig, loss_fn
 
@@ -41,6 +41,9 @@ class RunConfig:
     """Also shard each EP rank's experts over its expert-data-parallel group (efsdp)."""
     compiler: str | None = None
     """mfsdp's compiler (default: inductor on GPU, eager on CPU); none = uncompiled."""
+    max_norm: float = 1.0
+    """Gradient clipping over dense and expert parameters together (fsdp_compile.clip_grad_norm_:
+    torch's fails across the two meshes)."""
 
 
 def counting_batch(cfg: TransformerConfig, batch: int, seq: int, gen: torch.Generator, device):
@@ -58,7 +61,7 @@ def parse_args() -> RunConfig:
         elif name == "compiler":
             parser.add_argument(flag, choices=["inductor", "eager", "none"], default=None)
         else:
-            parser.add_argument(flag, type=int, default=field.default)
+            parser.add_argument(flag, type=type(field.default), default=field.default)
     return RunConfig(**vars(parser.parse_args()))
 
 
@@ -90,12 +93,14 @@ def main() -> None:
         tokens, targets = counting_batch(cfg, run.batch, run.seq, gen, device)
         loss = loss_fn(step_fn(tokens), targets)
         loss.backward()
+        grad_norm = clip_grad_norm_(model.parameters(), run.max_norm)
         opt.step()
         opt.zero_grad()
         dist.all_reduce(loss := loss.detach())
         losses.append(loss.item() / world)
         if rank == 0:
-            print(f"step {step:3d}  loss {losses[-1]:.4f}  {time.perf_counter() - start:.2f}s")
+            print(f"step {step:3d}  loss {losses[-1]:.4f}  grad norm {grad_norm.item():.3f}  "
+                  f"{time.perf_counter() - start:.2f}s")
     if rank == 0:
         print(json.dumps({"run": asdict(run), "world": world, "compiler": compiler,
                           "first_loss": losses[0], "last_loss": losses[-1]}))

@@ -12,6 +12,7 @@ from fsdp_compile.api import (
     shard_info,
 )
 from fsdp_compile.capture import CapturedStep, capture_step
+from fsdp_compile.clip import clip_grad_norm_
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend, _register, mfsdp_backend
 from fsdp_compile.errors import UsageError
 from fsdp_compile.expert_parallel import expert_mesh
@@ -30,6 +31,7 @@ __all__ = [
     "is_fully_sharded",
     "shard_info",
     "expert_mesh",
+    "clip_grad_norm_",
     "mfsdp_backend",
     "capture_step",
     "CapturedStep",

@@ -120,6 +120,11 @@ class ShardInfo:
     """Dtype on the wire and in the compute."""
     reduce_dtype: torch.dtype
     """Dtype of the gradient reduction."""
+    ep_group_outside_mesh: str = ""
+    """An expert of an ``nn.ModuleList`` under expert parallelism: the EP group whose other
+    ranks hold the layer's other experts. Its DTensor lives on the ``edp`` mesh, which does not
+    show them, so a norm over all parameters must also sum over this group
+    (``fsdp_compile.clip_grad_norm_``). "" for every other parameter."""
 
 
 def shard_info(param: object) -> ShardInfo | None:
@@ -473,6 +478,7 @@ def _expert_shard(
         replicate_world=1,
         grad_divisor=expert.grad_divisor,
         reshard_after_forward=reshard_after_forward and expert.strategy == "optim_grads_params",
+        ep_group_outside_mesh=expert.ep_group_outside_mesh,
         **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(expert.param.dtype))),
     )
     return _shard(expert.param, expert.mesh, expert.placements, info)

@@ -133,6 +133,9 @@ class ExpertParam:
     """The whole data-parallel world (see NOTE: expert gradient scale)."""
     unit: str
     """The marked module: expert parameters never share a unit with dense ones."""
+    ep_group_outside_mesh: str
+    """ModuleList form: the EP group, which ``mesh`` (``edp`` only) does not cover; "" for
+    stacked experts, whose mesh has the ``ep`` dimension."""
 
 
 def expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -234,6 +237,7 @@ def assign_experts(
         unit=f"{type(module).__name__}@{id(module):x}",
     )
     stacked = not isinstance(module, nn.ModuleList)
+    outside = "" if stacked else group.group_name  # the ep dim is in a stacked weight's mesh
     if not stacked:
         for index in range(len(module)):
             if index not in group.local_experts:
@@ -249,7 +253,7 @@ def assign_experts(
         assigned.append(
             ExpertParam(
                 fqn=prefix + fqn, param=param, mesh=mesh, placements=placements,
-                read_shape=read_shape, **common,
+                read_shape=read_shape, ep_group_outside_mesh=outside, **common,
             )
         )
     module.expert_parallel_group = group

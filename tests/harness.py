@@ -122,11 +122,15 @@ def global_batch(cfg: TransformerConfig, step: int, world: int):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def train(model, forward, batches, *, steps: int = STEPS, lr: float = 1e-2) -> torch.Tensor:
+def train(
+    model, forward, batches, *, steps: int = STEPS, lr: float = 1e-2, max_norm: float | None = None,
+    clip_grad_norm=torch.nn.utils.clip_grad_norm_,
+) -> torch.Tensor:
     """The one training loop: AdamW on ``model``'s parameters, ``forward`` runs each step.
 
     ``forward`` is the model itself or ``torch.compile(model, ...)``; ``batches(step)`` gives
-    (tokens, targets). Returns this process's per-step losses.
+    (tokens, targets); with ``max_norm`` each step clips with ``clip_grad_norm`` before the
+    optimizer. Returns this process's per-step losses.
     """
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
@@ -134,6 +138,8 @@ def train(model, forward, batches, *, steps: int = STEPS, lr: float = 1e-2) -> t
         tokens, targets = batches(step)
         loss = loss_fn(forward(tokens), targets)
         loss.backward()
+        if max_norm is not None:
+            clip_grad_norm(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
@@ -151,10 +157,11 @@ def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     return values / dist.get_world_size()
 
 
-def reference(cfg: TransformerConfig, world: int, steps: int = STEPS, seed: int = 0):
-    """Single-process, unsharded run on the global batch: (losses, {name: full parameter})."""
+def reference(cfg: TransformerConfig, world: int, steps: int = STEPS, seed: int = 0, max_norm=None):
+    """Single-process, unsharded run on the global batch: (losses, {name: full parameter});
+    ``max_norm`` clips with torch's own ``clip_grad_norm_``."""
     model = build_model(cfg, seed)
-    losses = train(model, model, lambda step: global_batch(cfg, step, world), steps=steps)
+    losses = train(model, model, lambda step: global_batch(cfg, step, world), steps=steps, max_norm=max_norm)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -183,19 +190,20 @@ TOLERANCE = 1e-5
 """Relative 2-norm error allowed between sharded fp32 training and the reference."""
 
 
-def parity_run(rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, **shard_options):
+def parity_run(rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_norm=None, **shard_options):
     """Train once per mode (``none`` = uncompiled markers, else the mfsdp compiler by name) and
     return each mode's loss and parameter errors against the unsharded reference.
 
     ``shard_options`` go to ``fully_shard`` (strategy, reshard_after_forward, ...);
     ``mesh_shape`` builds the mesh in the rank (e.g. ``(2, 2)`` for HSDP), ``ep_size`` the
-    expert mesh (``fsdp_compile.expert_mesh``).
+    expert mesh (``fsdp_compile.expert_mesh``); ``max_norm`` clips every step
+    (``fsdp_compile.clip_grad_norm_`` here, torch's in the reference).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile import MfsdpBackend, expert_mesh, fully_shard
+    from fsdp_compile import MfsdpBackend, clip_grad_norm_, expert_mesh, fully_shard
 
-    ref_losses, ref_params = reference(cfg, world)
+    ref_losses, ref_params = reference(cfg, world, max_norm=max_norm)
     results = {}
     for mode in modes:
         torch._dynamo.reset()
@@ -205,7 +213,8 @@ def parity_run(rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, **shar
             shard_options["expert_mesh"] = expert_mesh("cpu", ep_size)
         model = fully_shard(build_model(cfg), **shard_options)
         forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
-        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank)))
+        clip = dict(max_norm=max_norm, clip_grad_norm=clip_grad_norm_)
+        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank), **clip))
         params = full_parameters(model)
         # An expert-parallel ModuleList holds only this rank's experts: compare what the rank
         # holds ("held" lets the test check that the ranks together hold everything).
