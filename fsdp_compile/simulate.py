@@ -7,9 +7,14 @@ schedules of the same bucketed graphs:
 - ``no_overlap``: every collective waited on right where it is issued, each gather issued at its
   bucket's first use (prefetch 0): communication never hides behind compute;
 - ``fsdp2``: FSDP2's rules on the same buckets (one per ``fully_shard`` unit when the model is
-  wrapped per block): the next unit's gather issued before the current unit computes, forward
-  and backward, each reduce-scatter waited after the next is issued;
-- ``ours``: the graphs exactly as compiled (with the options they were compiled with).
+  wrapped per block): a unit's pre-forward (pre-backward) hook waits for its own gather and
+  issues the next unit's, so each gather is issued right before the previous unit's first
+  read and the first unit's right before its own; each reduce-scatter waited after the next
+  is issued (as ours);
+- ``ours``: the graphs exactly as compiled (with the options they were compiled with). Ours
+  issues earlier than FSDP2's hooks can: where the glue before the previous bucket starts,
+  and the first gather of a graph at its start (in backward it then hides behind the loss
+  gradient and the head; NOTE: the planned order, in ``passes/schedule_collectives.py``).
 
 Peak memory is a liveness count over the node order (``peak_memory``): inputs (shards,
 activations saved for backward) stay resident, every other tensor lives from the node that
@@ -33,7 +38,7 @@ from torch import fx
 
 from fsdp_compile.backend import CompiledGraph
 from fsdp_compile.passes.schedule_collectives import collective_groups, schedule_collectives
-from fsdp_compile.patterns import is_collective, is_view, is_wait
+from fsdp_compile.patterns import is_all_gather, is_collective, is_view, is_wait
 from fsdp_compile.plan import Plan
 from fsdp_compile.schedule import NVLINK_GPU, Hardware, estimate_timeline
 
@@ -119,6 +124,26 @@ def _rescheduled(gm: fx.GraphModule, plan: Plan, prefetch: int) -> fx.GraphModul
     return schedule_collectives(copied, dataclasses.replace(plan, options=options))
 
 
+def _fsdp2_rules(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Each gather's issue moved down to where FSDP2's hooks issue it: right before the first
+    read of the bucket used before it (the first bucket: right before its own wait)."""
+    gm = _rescheduled(gm, plan, prefetch=1)
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    gathers = [g for g in collective_groups(gm, plan) if is_all_gather(g.collective)]
+    first_read = {  # the output node for a bucket only returned
+        g: min((u for w in g.wait for u in w.users if u not in g.wait), key=index.__getitem__, default=nodes[-1])
+        for g in gathers
+    }
+    gathers.sort(key=lambda g: index[first_read[g]])
+    for rank, group in enumerate(gathers):
+        anchor = first_read[gathers[rank - 1]] if rank else group.wait[0]
+        for node in group.issue:
+            anchor.prepend(node)
+    gm.graph.lint()
+    return gm
+
+
 def _waited_at_issue(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Each collective's wait (and what unpacks it) moved right after the collective."""
     for group in collective_groups(gm, plan):
@@ -135,7 +160,7 @@ def _graphs(graph: CompiledGraph, schedule: str) -> list[tuple[str, fx.GraphModu
     if schedule == "ours":
         return pairs
     if schedule == "fsdp2":
-        return [(role, _rescheduled(gm, graph.plan, prefetch=1)) for role, gm in pairs]
+        return [(role, _fsdp2_rules(gm, graph.plan)) for role, gm in pairs]
     return [(role, _waited_at_issue(_rescheduled(gm, graph.plan, prefetch=0), graph.plan)) for role, gm in pairs]
 
 
