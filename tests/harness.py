@@ -84,7 +84,7 @@ def spawn(
         for p in procs:
             if p.is_alive():
                 p.kill()
-        results = []
+        results, errors = [], []
         for rank in range(world):
             path = os.path.join(out_dir, f"{rank}.pt")
             if not os.path.exists(path) and allow_dead_ranks:
@@ -94,8 +94,13 @@ def spawn(
                 raise AssertionError(f"rank {rank} produced no result (killed or timed out)")
             record = torch.load(path, weights_only=False)
             if "error" in record:
-                raise AssertionError(f"rank {rank} failed:\n{record['error']}")
-            results.append(record["ok"])
+                errors.append(f"rank {rank} failed:\n{record['error']}")
+            else:
+                results.append(record["ok"])
+        if errors:
+            # A rank that failed on its own comes first; its peers only lost their connection.
+            errors.sort(key=lambda e: "gloo/transport" in e)
+            raise AssertionError("\n".join(errors))
         return results
 
 

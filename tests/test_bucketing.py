@@ -261,3 +261,55 @@ def test_bucketed_training_equals_unbucketed_on_two_gloo_ranks():
         assert bucketed["counts"] == [{"all_gather": n}, {"all_gather": n, "reduce_scatter": n}]
         assert base["counts"][0]["all_gather"] > n
         assert bucketed["peak"] <= bound
+
+
+def _collective_sequence(graph) -> list[tuple]:
+    """(graph, kind, bucket, shape) of every collective in execution order: what ranks of one
+    group must agree on (group names left out: each EP rank has its own ep and edp groups)."""
+    sequence = []
+    for role in ("forward", "backward"):
+        for node in getattr(graph, role).graph.nodes:
+            if is_collective(node) or "all_to_all" in str(node.target):
+                bucket, member = bucket_index(node), node.meta.get("mfsdp_param_id")
+                what = bucket if bucket is not None else member and graph.plan.param(member).fqn
+                sequence.append((role, str(node.target), what, node.meta["val"].shape))
+    return sequence
+
+
+def _sequences_per_rank(cfg, world, **shard_options) -> list[list[tuple]]:
+    from fsdp_compile import MixedPrecision, expert_mesh
+
+    sequences = []
+    for rank in range(world):
+        torch._dynamo.reset()
+        with fake_process_group(world, rank):
+            options = dict(shard_options)
+            if "ep_size" in options:
+                options["expert_mesh"] = expert_mesh("cpu", options.pop("ep_size"))
+            bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            model = fully_shard(build_model(cfg), mp_policy=bf16, **options)
+            backend = MfsdpBackend(compiler="eager")
+            tokens, targets = make_batch(cfg, 2, 8, 0, rank)
+            loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
+        (graph,) = backend.graphs
+        sequences.append(_collective_sequence(graph))
+    return sequences
+
+
+@pytest.mark.parametrize(
+    "cfg,shard_options",
+    [
+        (TransformerConfig(), {}),
+        (TransformerConfig(n_layers=1, n_experts=4, capacity_factor=2.0, hidden=96, expert_parallel=True), {"ep_size": 2}),
+    ],
+    ids=["dense", "expert-parallel"],
+)
+def test_every_rank_issues_the_collectives_in_one_order(cfg, shard_options):
+    """At world 4 rank 3 holds no row of the 3-element head_scale, so its graphs copy shards in
+    differently and its inputs sit elsewhere; the schedule must still issue every collective in
+    the same order on every rank (a bf16 EP run crashed in gloo before gathers were issued in
+    rank order with ties broken by bucket)."""
+    sequences = _sequences_per_rank(cfg, 4, **shard_options)
+    assert all(s == sequences[0] for s in sequences[1:]), [
+        [i for i, (a, b) in enumerate(zip(sequences[0], s)) if a != b] for s in sequences
+    ]

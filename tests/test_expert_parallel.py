@@ -23,6 +23,7 @@ from harness import (
     fake_process_group,
     parity_run,
     persistent_bytes,
+    relative_error,
     spawn,
 )
 
@@ -58,7 +59,7 @@ def _grad_errors(rank, world, *, modes):
     """One backward per (expert form, mode); each ``.grad`` (full tensor) against the
     reference gradient of the same name. Adam hides a constant gradient scale from the
     parity test almost entirely; this sees it whole."""
-    from harness import global_batch, rank_batches, relative_error
+    from harness import global_batch, rank_batches
 
     errors = {}
     for fused in (True, False):
@@ -291,3 +292,57 @@ def test_marked_module_that_holds_no_experts_is_rejected():
         model.expert_parallel_enabled = True
         with pytest.raises(UsageError, match="mark the module that holds only the experts"):
             fully_shard(model, expert_mesh=expert_mesh("cpu", EP))
+
+
+# ---- the grouped-GEMM path: torch._grouped_mm in bf16 (it runs on CPU in torch 2.13) ----------
+
+
+def test_grouped_expert_mlp_uses_grouped_mm_in_bf16_and_matches_fp32():
+    """Aligned bf16 operands take ``torch._grouped_mm`` (2 calls forward, 4 backward); the
+    results stay within bf16 rounding of the fp32 batched-matmul path."""
+    from unittest import mock
+
+    from fsdp_compile.models import GroupedExpertMLP
+
+    torch.manual_seed(0)
+    x, w_in, w_out = torch.randn(4, 16, 48), torch.randn(4, 96, 48) / 7, torch.randn(4, 48, 96) / 10
+    grad = torch.randn(4, 16, 48)
+    expected_inputs = [t.clone().requires_grad_() for t in (x, w_in, w_out)]
+    expected = GroupedExpertMLP.apply(*expected_inputs)
+    expected.backward(grad)
+    inputs = [t.to(torch.bfloat16).requires_grad_() for t in (x, w_in, w_out)]
+    with mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm) as grouped_mm:
+        out = GroupedExpertMLP.apply(*inputs)
+        assert grouped_mm.call_count == 2
+        out.backward(grad.to(torch.bfloat16))
+        assert grouped_mm.call_count == 6
+    assert relative_error(out.float(), expected) < 1e-2
+    for actual, reference in zip(inputs, expected_inputs):
+        assert relative_error(actual.grad.float(), reference.grad) < 2e-2
+
+
+def _bf16_grouped_run(rank, world, *, cfg, steps):
+    from fsdp_compile import MixedPrecision
+    from harness import mean_over_ranks, rank_batches, reference, train
+
+    ref_losses, _ = reference(cfg, world, steps=steps)
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = fully_shard(build_model(cfg), mp_policy=bf16, expert_mesh=expert_mesh("cpu", EP))
+    backend = MfsdpBackend(compiler="eager")
+    losses = mean_over_ranks(train(model, torch.compile(model, backend=backend), rank_batches(cfg, rank), steps=steps))
+    (graph,) = backend.graphs
+    grouped = [
+        sum(n.target is torch.ops.aten._grouped_mm.default for n in gm.graph.nodes)
+        for gm in (graph.forward, graph.backward)
+    ]
+    return relative_error(losses.float(), ref_losses), grouped
+
+
+def test_expert_parallel_bf16_runs_grouped_mm_and_tracks_the_fp32_reference():
+    """EP 2 x edp 2, bf16 compute, fused experts with 16-byte rows: the compiled graphs run
+    ``aten._grouped_mm`` (forward and backward) and 10 steps stay within bf16 tolerance of the
+    fp32 reference (the bound test_mixed_precision uses)."""
+    cfg = moe_config(fused=True, hidden=96)
+    for loss_error, (forward_mms, backward_mms) in spawn(_bf16_grouped_run, WORLD, cfg=cfg, steps=10):
+        assert forward_mms == 2 and backward_mms == 4, (forward_mms, backward_mms)
+        assert loss_error < 2e-2, loss_error

@@ -13,7 +13,11 @@ NOTE: the planned order
     first use, and a fused kernel needs the wait before it: issued after the glue, the gather
     would be pushed behind the previous wait. Its wait, with the bucket's copy-out, sits right
     before the bucket's first use. The bytes alive do not grow: the buckets read before the
-    issue point are dead there. With
+    issue point are dead there. Gathers are issued in rank order (a gather whose shards are
+    ready earlier still waits for the one ranked above it), and ties anywhere are broken by
+    bucket index: graphs of different ranks differ in detail (a rank left with an empty shard
+    copies in differently, so its inputs sit elsewhere), yet every rank of a process group
+    must issue that group's collectives in the same order, or gloo and NCCL mismatch. With
     ``options["max_inflight_bytes"]`` a gather's distance shrinks (down to 0) where issuing it
     earlier would push gathered bytes alive above the bound; see ``gather_lifetimes`` for how
     alive bytes are counted.
@@ -163,9 +167,10 @@ def _earliest(nodes: tuple[fx.Node, ...], index: dict[fx.Node, int]) -> int:
     return max((index[i] + 1 for i in inputs), default=0)
 
 
-def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, dict]:
-    """Issue and wait slots of every gather (slot s = right before the s-th unmoved node)."""
-    gathers = sorted(gathers, key=lambda g: _first_use(g, rest_index, end))
+def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[list, dict, dict, dict]:
+    """The gathers ranked by first use, and their issue and wait slots (slot s = right before
+    the s-th unmoved node) and prefetch distances."""
+    gathers = sorted(gathers, key=lambda g: (_first_use(g, rest_index, end), _bucket(g.collective, plan)))
     uses = [_first_use(g, rest_index, end) for g in gathers]
     # starts[r]: where the compute leading to the bucket ranked r begins (NOTE: the planned order)
     reads = [_reads(g, rest_index) for g in gathers]
@@ -175,11 +180,14 @@ def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, di
     bound = plan.options.max_inflight_bytes
     issue_slot, wait_slot, distance = {}, {}, {}
     alive: list[tuple[int, int, int]] = []  # (from slot, to slot, bytes) of placed gathers
+    previous = 0
     for rank, group in enumerate(gathers):
         last = max(max(reads[rank], default=-1), uses[rank])
         wait_slot[group] = uses[rank]
         for k in range(min(plan.options.prefetch, rank), -1, -1):
-            start = max(starts[rank - k], _earliest(group.issue, rest_index))
+            # Never before the gather ranked above: every rank issues them in rank order, even
+            # where its graph's input positions differ (see NOTE: the planned order).
+            start = max(starts[rank - k], _earliest(group.issue, rest_index), previous)
             peak = max(
                 sum(b for lo, hi, b in alive if lo <= s <= hi) + group.nbytes for s in range(start, last + 1)
             ) if bound is not None else 0
@@ -192,10 +200,10 @@ def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, di
                 f"bucket {plan.buckets[group.collective.meta['mfsdp_bucket']].name} is in use): "
                 "raise it, or set a smaller options['bucket_mb']."
             )
-        issue_slot[group] = start
+        issue_slot[group] = previous = start
         distance[group] = sum(1 for use in uses[:rank] if use >= start)  # less than k if inputs came late
         alive.append((start, last, group.nbytes))
-    return issue_slot, wait_slot, distance
+    return gathers, issue_slot, wait_slot, distance
 
 
 def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -212,10 +220,14 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     rest = [n for n in gm.graph.nodes if n not in moved]
     rest_index = {n: i for i, n in enumerate(rest)}
     end = len(rest) - 1  # the output node's slot
-    gathers = [g for g in groups if is_all_gather(g.collective)]
-    issue_slot, wait_slot, distance = _place_gathers(gathers, rest_index, end, plan)
+    # Ties are broken by bucket index, never by graph order: ranks whose graphs differ in detail
+    # (a rank left with an empty shard) must still issue each group's collectives in one order.
+    gathers, issue_slot, wait_slot, distance = _place_gathers(
+        [g for g in groups if is_all_gather(g.collective)], rest_index, end, plan
+    )
     scatters = sorted(
-        (g for g in groups if not is_all_gather(g.collective)), key=lambda g: _earliest(g.issue, rest_index)
+        (g for g in groups if not is_all_gather(g.collective)),
+        key=lambda g: (_earliest(g.issue, rest_index), _bucket(g.collective, plan)),
     )
     for group in scatters:
         issue_slot[group] = _earliest(group.issue, rest_index)
