@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile import MfsdpBackend, expert_mesh, fully_shard
 from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
 from harness import build_model, mean_over_ranks, relative_error, spawn
 
@@ -39,23 +39,25 @@ def _steps(model, forward, opt, cfg, steps, rank, world):
     return mean_over_ranks(torch.stack(losses)) if world > 1 else torch.stack(losses)
 
 
-def _setup(cfg, seed, strategy="optim_grads_params"):
-    model = fully_shard(build_model(cfg, seed=seed), strategy=strategy)
+def _setup(cfg, seed, strategy="optim_grads_params", ep_size=None):
+    experts = {"expert_mesh": expert_mesh("cpu", ep_size)} if ep_size else {}
+    model = fully_shard(build_model(cfg, seed=seed), strategy=strategy, **experts)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, torch.compile(model, backend=MfsdpBackend(compiler="eager")), opt
 
 
-def _train_save_continue(rank, world, *, cfg, path, strategy="optim_grads_params"):
-    model, forward, opt = _setup(cfg, seed=0, strategy=strategy)
+def _train_save_continue(rank, world, *, cfg, path, **shard_options):
+    """Train, save after SAVE_AFTER steps, go on; ``shard_options``: strategy, ep_size."""
+    model, forward, opt = _setup(cfg, seed=0, **shard_options)
     _steps(model, forward, opt, cfg, range(SAVE_AFTER), rank, world)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     return _steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
 
 
-def _load_continue(rank, world, *, cfg, path, strategy="optim_grads_params"):
+def _load_continue(rank, world, *, cfg, path, **shard_options):
     # Other weights: only the checkpoint can fix them.
-    model, forward, opt = _setup(cfg, seed=1, strategy=strategy)
+    model, forward, opt = _setup(cfg, seed=1, **shard_options)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)

@@ -8,16 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from fsdp_compile import MfsdpBackend, expert_mesh, fully_shard
-from fsdp_compile.models import Transformer, loss_fn
+from fsdp_compile.models import Transformer
 from harness import (
     build_model,
     full_parameters,
@@ -29,8 +23,7 @@ from harness import (
     spawn,
     train,
 )
-from test_checkpoint import SAVE_AFTER, TOTAL
-from test_checkpoint import _batch as checkpoint_batch
+from test_checkpoint import _load_continue, _train_save_continue
 from test_expert_parallel import EP, WORLD, moe_config
 from test_strategies import _accumulate
 
@@ -55,41 +48,6 @@ def test_expert_parallel_gradient_accumulation_reduces_once(fused):
 # ---- DCP: save under one expert layout, resume under another ---------------------------------
 
 
-def _setup(cfg, seed, ep):
-    model = fully_shard(build_model(cfg, seed=seed), expert_mesh=expert_mesh("cpu", ep))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, torch.compile(model, backend=MfsdpBackend(compiler="eager")), opt
-
-
-def _steps(model, forward, opt, cfg, steps, rank, world):
-    losses = []
-    for step in steps:
-        tokens, targets = checkpoint_batch(cfg, step, rank, world)
-        loss = loss_fn(forward(tokens), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return mean_over_ranks(torch.stack(losses))
-
-
-def _train_save_continue(rank, world, *, cfg, path, ep):
-    model, forward, opt = _setup(cfg, seed=0, ep=ep)
-    _steps(model, forward, opt, cfg, range(SAVE_AFTER), rank, world)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    return _steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
-
-
-def _load_continue(rank, world, *, cfg, path, ep):
-    model, forward, opt = _setup(cfg, seed=1, ep=ep)  # other weights: only the checkpoint fixes them
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return _steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
-
-
 @FORMS
 def test_expert_parallel_checkpoint_resumes_under_another_layout(tmp_path, fused):
     """Saved at world 4 as EP 2 x edp 2; resumed at world 4 as EP 4 x edp 1 and at world 2 as
@@ -98,9 +56,9 @@ def test_expert_parallel_checkpoint_resumes_under_another_layout(tmp_path, fused
     stacked: one [E, ...] DTensor), so DCP moves experts between EP ranks."""
     cfg = moe_config(fused=fused)
     path = str(tmp_path / "ckpt")
-    uninterrupted = spawn(_train_save_continue, WORLD, cfg=cfg, path=path, ep=EP)[0]
+    uninterrupted = spawn(_train_save_continue, WORLD, cfg=cfg, path=path, ep_size=EP)[0]
     for world, ep in ((4, 4), (2, 2)):
-        resumed = spawn(_load_continue, world, cfg=cfg, path=path, ep=ep)[0]
+        resumed = spawn(_load_continue, world, cfg=cfg, path=path, ep_size=ep)[0]
         assert relative_error(resumed, uninterrupted) < 1e-5, (world, ep, resumed, uninterrupted)
 
 
