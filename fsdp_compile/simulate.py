@@ -37,8 +37,8 @@ import torch
 from torch import fx
 
 from fsdp_compile.backend import CompiledGraph
-from fsdp_compile.passes.schedule_collectives import collective_groups, schedule_collectives
-from fsdp_compile.patterns import is_all_gather, is_collective, is_view, is_wait
+from fsdp_compile.passes.schedule_collectives import collective_groups, ranked_gathers, schedule_collectives
+from fsdp_compile.patterns import is_collective, is_view, is_wait
 from fsdp_compile.plan import Plan
 from fsdp_compile.schedule import NVLINK_GPU, Hardware, estimate_timeline
 
@@ -128,16 +128,9 @@ def _fsdp2_rules(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Each gather's issue moved down to where FSDP2's hooks issue it: right before the first
     read of the bucket used before it (the first bucket: right before its own wait)."""
     gm = _rescheduled(gm, plan, prefetch=1)
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    gathers = [g for g in collective_groups(gm, plan) if is_all_gather(g.collective)]
-    first_read = {  # the output node for a bucket only returned
-        g: min((u for w in g.wait for u in w.users if u not in g.wait), key=index.__getitem__, default=nodes[-1])
-        for g in gathers
-    }
-    gathers.sort(key=lambda g: index[first_read[g]])
-    for rank, group in enumerate(gathers):
-        anchor = first_read[gathers[rank - 1]] if rank else group.wait[0]
+    ranked = ranked_gathers(gm, plan)
+    for rank, (group, _) in enumerate(ranked):
+        anchor = ranked[rank - 1][1] if rank else group.wait[0]
         for node in group.issue:
             anchor.prepend(node)
     gm.graph.lint()

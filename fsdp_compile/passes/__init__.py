@@ -23,6 +23,7 @@ from fsdp_compile.passes.schedule_collectives import (
     collective_groups,
     check_schedule_collectives,
     gather_lifetimes,
+    ranked_gathers,
     peak_inflight_bytes,
     schedule_collectives,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "schedule_collectives",
     "check_schedule_collectives",
     "gather_lifetimes",
+    "ranked_gathers",
     "GatherLifetime",
     "peak_inflight_bytes",
     "collective_groups",

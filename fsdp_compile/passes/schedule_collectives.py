@@ -46,6 +46,7 @@ __all__ = [
     "check_schedule_collectives",
     "gather_lifetimes",
     "GatherLifetime",
+    "ranked_gathers",
     "peak_inflight_bytes",
     "collective_groups",
     "CollectiveGroup",
@@ -167,10 +168,25 @@ def _earliest(nodes: tuple[fx.Node, ...], index: dict[fx.Node, int]) -> int:
     return max((index[i] + 1 for i in inputs), default=0)
 
 
-def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[list, dict, dict, dict]:
-    """The gathers ranked by first use, and their issue and wait slots (slot s = right before
-    the s-th unmoved node) and prefetch distances."""
-    gathers = sorted(gathers, key=lambda g: (_first_use(g, rest_index, end), _bucket(g.collective, plan)))
+def _ranked(groups: list[CollectiveGroup], index: dict[fx.Node, int], end: int, plan: Plan) -> list:
+    """The all-gathers among ``groups`` by the first use of their bucket, ties by bucket index:
+    the rank every rank agrees on (see NOTE: the planned order)."""
+    gathers = [g for g in groups if is_all_gather(g.collective)]
+    return sorted(gathers, key=lambda g: (_first_use(g, index, end), _bucket(g.collective, plan)))
+
+
+def ranked_gathers(gm: fx.GraphModule, plan: Plan) -> list[tuple[CollectiveGroup, fx.Node]]:
+    """Every parameter all-gather of ``gm`` by rank, with the first node reading its bucket (the
+    output node when the bucket is only returned)."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes) - 1
+    return [(g, nodes[_first_use(g, index, end)]) for g in _ranked(collective_groups(gm, plan), index, end, plan)]
+
+
+def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, dict]:
+    """Issue and wait slots (slot s = right before the s-th unmoved node) and prefetch
+    distances of ``gathers``, given in rank order."""
     uses = [_first_use(g, rest_index, end) for g in gathers]
     # starts[r]: where the compute leading to the bucket ranked r begins (NOTE: the planned order)
     reads = [_reads(g, rest_index) for g in gathers]
@@ -203,7 +219,7 @@ def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[list, dict, di
         issue_slot[group] = previous = start
         distance[group] = sum(1 for use in uses[:rank] if use >= start)  # less than k if inputs came late
         alive.append((start, last, group.nbytes))
-    return gathers, issue_slot, wait_slot, distance
+    return issue_slot, wait_slot, distance
 
 
 def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -222,9 +238,8 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     end = len(rest) - 1  # the output node's slot
     # Ties are broken by bucket index, never by graph order: ranks whose graphs differ in detail
     # (a rank left with an empty shard) must still issue each group's collectives in one order.
-    gathers, issue_slot, wait_slot, distance = _place_gathers(
-        [g for g in groups if is_all_gather(g.collective)], rest_index, end, plan
-    )
+    gathers = _ranked(groups, rest_index, end, plan)
+    issue_slot, wait_slot, distance = _place_gathers(gathers, rest_index, end, plan)
     scatters = sorted(
         (g for g in groups if not is_all_gather(g.collective)),
         key=lambda g: (_earliest(g.issue, rest_index), _bucket(g.collective, plan)),
@@ -270,22 +285,18 @@ class GatherLifetime:
 
 def gather_lifetimes(gm: fx.GraphModule, plan: Plan) -> list[GatherLifetime]:
     """Every parameter all-gather of ``gm``, by rank: what the checks and the tests hold."""
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes) - 1
-    gathers = [g for g in collective_groups(gm, plan) if is_all_gather(g.collective)]
-    gathers.sort(key=lambda g: _first_use(g, index, end))
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
     return [
         GatherLifetime(
             bucket=_bucket(g.collective, plan),
             rank=rank,
             issue=index[g.collective],
             wait=index[g.wait[0]],
-            first_use=_first_use(g, index, end),
+            first_use=index[first_read],
             last_use=_last_use(g, index),
             nbytes=g.nbytes,
         )
-        for rank, g in enumerate(gathers)
+        for rank, (g, first_read) in enumerate(ranked_gathers(gm, plan))
     ]
 
 
