@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compile import MfsdpBackend, clip_grad_norm_, expert_mesh, fully_shard
 from fsdp_compile.models import TransformerConfig, loss_fn
@@ -46,9 +47,11 @@ def _clip_errors(rank, world, *, cases):
     for key, (cfg, shard_options, mode, norm_type) in cases.items():
         expected_norm, expected_grads = _reference_clip(cfg, world, norm_type)
         torch._dynamo.reset()
-        options = dict(shard_options)
+        options = dict(shard_options)  # meshes are built here, in the rank
         if "ep_size" in options:
             options["expert_mesh"] = expert_mesh("cpu", options.pop("ep_size"))
+        if "mesh_shape" in options:
+            options["mesh"] = init_device_mesh("cpu", options.pop("mesh_shape"))
         model = fully_shard(build_model(cfg), **options)
         forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
         tokens, targets = rank_batches(cfg, rank)(0)
@@ -88,30 +91,20 @@ def test_clip_over_dense_and_expert_meshes_matches_the_reference():
 
 DENSE = TransformerConfig(n_layers=2)
 DENSE_CASES = {
-    (strategy, str(mesh), norm_type): (
-        DENSE, {"strategy": strategy, **({"mesh": mesh} if mesh else {})}, "eager", norm_type
+    (strategy, str(mesh_shape), norm_type): (
+        DENSE, {"strategy": strategy, **({"mesh_shape": mesh_shape} if mesh_shape else {})}, "eager", norm_type
     )
-    for strategy, mesh in (
+    for strategy, mesh_shape in (
         ("no_shard", None), ("optim", None), ("optim_grads_params", None), ("optim_grads_params", (2, 2))
     )
     for norm_type in (2.0, math.inf)
 }
 
 
-def _dense_errors(rank, world, *, cases):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    built = {
-        key: (cfg, {**opts, **({"mesh": init_device_mesh("cpu", opts["mesh"])} if "mesh" in opts else {})}, mode, p)
-        for key, (cfg, opts, mode, p) in cases.items()
-    }
-    return _clip_errors(rank, world, cases=built)
-
-
 def test_clip_on_one_mesh_matches_the_reference_for_every_strategy():
     """One mesh (each strategy, and HSDP 2 x 2): the same result as torch's clip on the
     reference, where torch's clip would work as well."""
-    _assert_small(spawn(_dense_errors, WORLD, cases=DENSE_CASES))
+    _assert_small(spawn(_clip_errors, WORLD, cases=DENSE_CASES))
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
