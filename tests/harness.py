@@ -195,6 +195,22 @@ TOLERANCE = 1e-5
 """Relative 2-norm error allowed between sharded fp32 training and the reference."""
 
 
+def with_meshes(shard_options: dict) -> dict:
+    """``fully_shard`` options with ``mesh_shape`` (e.g. ``(2, 2)`` for HSDP) and ``ep_size``
+    turned into meshes: tests pass plain numbers to spawned ranks, each rank builds its meshes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compile import expert_mesh
+
+    options = dict(shard_options)
+    mesh_shape, ep_size = options.pop("mesh_shape", None), options.pop("ep_size", None)
+    if mesh_shape is not None:
+        options["mesh"] = init_device_mesh("cpu", mesh_shape)
+    if ep_size is not None:
+        options["expert_mesh"] = expert_mesh("cpu", ep_size)
+    return options
+
+
 def parity_run(rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_norm=None, **shard_options):
     """Train once per mode (``none`` = uncompiled markers, else the mfsdp compiler by name) and
     return each mode's loss and parameter errors against the unsharded reference.
@@ -204,19 +220,14 @@ def parity_run(rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_no
     expert mesh (``fsdp_compile.expert_mesh``); ``max_norm`` clips every step
     (``fsdp_compile.clip_grad_norm_`` here, torch's in the reference).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fsdp_compile import MfsdpBackend, clip_grad_norm_, expert_mesh, fully_shard
+    from fsdp_compile import MfsdpBackend, clip_grad_norm_, fully_shard
 
     ref_losses, ref_params = reference(cfg, world, max_norm=max_norm)
     results = {}
     for mode in modes:
         torch._dynamo.reset()
-        if mesh_shape is not None:
-            shard_options["mesh"] = init_device_mesh("cpu", mesh_shape)
-        if ep_size is not None:
-            shard_options["expert_mesh"] = expert_mesh("cpu", ep_size)
-        model = fully_shard(build_model(cfg), **shard_options)
+        meshes = with_meshes({**shard_options, "mesh_shape": mesh_shape, "ep_size": ep_size})
+        model = fully_shard(build_model(cfg), **meshes)
         forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
         clip = dict(max_norm=max_norm, clip_grad_norm=clip_grad_norm_)
         losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank), **clip))

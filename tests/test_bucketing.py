@@ -29,6 +29,7 @@ from harness import (
     relative_error,
     spawn,
     train,
+    with_meshes,
 )
 
 TOLERANCE = 1e-5
@@ -277,17 +278,14 @@ def _collective_sequence(graph) -> list[tuple]:
 
 
 def _sequences_per_rank(cfg, world, **shard_options) -> list[list[tuple]]:
-    from fsdp_compile import MixedPrecision, expert_mesh
+    from fsdp_compile import MixedPrecision
 
     sequences = []
     for rank in range(world):
         torch._dynamo.reset()
         with fake_process_group(world, rank):
-            options = dict(shard_options)
-            if "ep_size" in options:
-                options["expert_mesh"] = expert_mesh("cpu", options.pop("ep_size"))
             bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            model = fully_shard(build_model(cfg), mp_policy=bf16, **options)
+            model = fully_shard(build_model(cfg), mp_policy=bf16, **with_meshes(shard_options))
             backend = MfsdpBackend(compiler="eager")
             tokens, targets = make_batch(cfg, 2, 8, 0, rank)
             loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()

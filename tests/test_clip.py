@@ -11,9 +11,8 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_compile import MfsdpBackend, clip_grad_norm_, expert_mesh, fully_shard
+from fsdp_compile import MfsdpBackend, clip_grad_norm_, fully_shard
 from fsdp_compile.models import TransformerConfig, loss_fn
 from harness import (
     assert_parity,
@@ -23,6 +22,7 @@ from harness import (
     rank_batches,
     relative_error,
     spawn,
+    with_meshes,
 )
 from test_expert_parallel import EP, WORLD, moe_config
 
@@ -47,12 +47,7 @@ def _clip_errors(rank, world, *, cases):
     for key, (cfg, shard_options, mode, norm_type) in cases.items():
         expected_norm, expected_grads = _reference_clip(cfg, world, norm_type)
         torch._dynamo.reset()
-        options = dict(shard_options)  # meshes are built here, in the rank
-        if "ep_size" in options:
-            options["expert_mesh"] = expert_mesh("cpu", options.pop("ep_size"))
-        if "mesh_shape" in options:
-            options["mesh"] = init_device_mesh("cpu", options.pop("mesh_shape"))
-        model = fully_shard(build_model(cfg), **options)
+        model = fully_shard(build_model(cfg), **with_meshes(shard_options))
         forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
         tokens, targets = rank_batches(cfg, rank)(0)
         loss_fn(forward(tokens), targets).backward()
