@@ -8,6 +8,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_map
 
+from fsdp_compile.patterns import is_ours
+
 
 def _val(arg: Any) -> Any:
     return arg.meta["val"] if isinstance(arg, fx.Node) else arg
@@ -32,9 +34,26 @@ def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     return node
 
 
+def _kept(node: fx.Node) -> bool:
+    """What dead-code elimination must keep: every node the user's program made (in-place
+    ops, buffer updates and ``copy_`` often have no users, yet they are the program), and any
+    of ours whose op has an effect. See NOTE: nothing the user wrote is removed."""
+    return not is_ours(node) or node.is_impure()
+
+
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
-    """Every pass ends here: drop what died, check the graph, regenerate code."""
-    gm.graph.eliminate_dead_code()
+    """Every pass ends here: drop the dead nodes a pass made, check the graph, regenerate code.
+
+    NOTE: nothing the user wrote is removed
+        FX's ``eliminate_dead_code`` keeps only nodes it can prove impure, and it cannot for
+        Dynamo's ``call_method`` nodes: ``h.mul_(0.5)`` or ``self.ema.mul_(0.9)`` with no
+        user looks dead and was silently dropped (wrong numbers, no error). So a pass removes
+        only what it created itself (nodes tagged as ours, fsdp_compile.patterns.is_ours) and
+        only when their op is pure; the user's nodes, used or not, always stay. Later stages
+        (AOTAutograd's functionalization, Inductor) see mutations explicitly and clean up
+        what is truly dead themselves.
+    """
+    gm.graph.eliminate_dead_code(is_impure_node=_kept)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -20,9 +20,12 @@ The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = onl
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import fx
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
 
@@ -32,10 +35,10 @@ ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 ALL_GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
-COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
-MARKERS = {UNSHARD: "unshard", REDUCE_GRAD: "reduce_grad"}
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 
 
 def _calls(node: fx.Node, op: torch._ops.OpOverload) -> bool:
@@ -68,8 +71,14 @@ def is_all_reduce(node: fx.Node) -> bool:
     return _calls(node, ALL_REDUCE)
 
 
+def is_all_to_all(node: fx.Node) -> bool:
+    return _calls(node, ALL_TO_ALL)
+
+
 def is_collective(node: fx.Node) -> bool:
-    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+    """Any functional collective: ours (gathers, reductions) or the user's (an expert
+    all-to-all, an all-reduce in the model)."""
+    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node) or is_all_to_all(node)
 
 
 def is_wait(node: fx.Node) -> bool:
@@ -87,6 +96,15 @@ def is_view(node: fx.Node) -> bool:
 def bucket_index(node: fx.Node) -> int | None:
     """The plan bucket a parameter collective (or its wait) moves; None for user collectives."""
     return node.meta.get("mfsdp_bucket")
+
+
+def is_ours(node: fx.Node) -> bool:
+    """A node fsdp_compile made: a marker, or what a pass inserted for a parameter or a bucket
+    (lowered chains carry ``mfsdp_param_id``, bucket copies ``mfsdp_bucket``). Only these may
+    be removed when dead (see NOTE: nothing the user wrote is removed, in fx_utils.py)."""
+    if is_marker(node):
+        return True
+    return any(node.meta.get(key) is not None for key in ("mfsdp_param_id", "mfsdp_bucket", "mfsdp_unpacked"))
 
 
 def is_param_collective(node: fx.Node) -> bool:
@@ -117,17 +135,62 @@ def marker_param_id(node: fx.Node) -> int:
     return node.args[index] if len(node.args) > index else node.kwargs["param_id"]
 
 
+@dataclass(frozen=True, kw_only=True)
+class CollectiveFacts:
+    """What one collective node moves: the facts every reader (the schedule pass, the dumps,
+    ``explain``, the bench census, the simulator) takes from here and nowhere else."""
+
+    kind: CollectiveKind
+    group_name: str
+    world: int
+    """Ranks in the group."""
+    nbytes: int
+    """The full-size tensor: the gathered output (all_gather), the reduced input
+    (reduce_scatter, all_reduce), the sent input (all_to_all)."""
+    dtype: torch.dtype
+
+
+def _argument(node: fx.Node, name: str):
+    """Argument ``name`` of a call to an aten-style op, given by position or keyword."""
+    schema = node.target._schema if hasattr(node.target, "_schema") else node.target.default._schema
+    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
+    return node.args[index] if len(node.args) > index else node.kwargs[name]
+
+
+def collective_kind(node: fx.Node) -> CollectiveKind:
+    assert is_collective(node), node.format_node()
+    if is_all_gather(node):
+        return "all_gather"
+    if is_reduce_scatter(node):
+        return "reduce_scatter"
+    return "all_reduce" if is_all_reduce(node) else "all_to_all"
+
+
+def collective_facts(node: fx.Node) -> CollectiveFacts:
+    """Kind, group, world, bytes and dtype of a collective node (see ``CollectiveFacts``)."""
+    kind = collective_kind(node)
+    group_name = str(_argument(node, "group_name"))
+    if kind in ("all_gather", "reduce_scatter"):
+        world = int(_argument(node, "group_size"))
+    else:  # all_reduce and all_to_all name only their group
+        world = _resolve_process_group(group_name).size()
+    full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+    return CollectiveFacts(
+        kind=kind,
+        group_name=group_name,
+        world=world,
+        nbytes=full.numel() * full.element_size(),
+        dtype=full.dtype,
+    )
+
+
 def count_collectives(graph: fx.Graph) -> Counter[str]:
     """Collectives and markers in ``graph`` by kind: all_gather, reduce_scatter, all_reduce,
-    unshard, reduce_grad."""
+    all_to_all, unshard, reduce_grad."""
     kinds = Counter()
     for node in graph.nodes:
-        if is_all_gather(node):
-            kinds["all_gather"] += 1
-        elif is_reduce_scatter(node):
-            kinds["reduce_scatter"] += 1
-        elif is_all_reduce(node):
-            kinds["all_reduce"] += 1
+        if is_collective(node):
+            kinds[collective_kind(node)] += 1
         elif is_unshard(node):
             kinds["unshard"] += 1
         elif is_reduce_grad(node):
