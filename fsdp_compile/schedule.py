@@ -8,7 +8,8 @@ plays the graph on two streams (compute, communication) with a simple cost model
   divided by ``Hardware.flops``; nodes without FLOPs cost the bytes they write at
   ``Hardware.memory_bandwidth`` (a memory-bound roofline);
 - collective: ring alpha-beta, ``latency * (world - 1) + bytes * (world - 1) / world / link``,
-  where ``bytes`` is the gathered (or reduced) size;
+  where ``bytes`` is the full-size tensor (``fsdp_compile.patterns.CollectiveFacts``); an
+  all-reduce is a reduce-scatter then an all-gather, twice that;
 - a collective starts when it is issued and the communication stream is free; a wait blocks
   the compute stream until its collective ends.
 
@@ -24,7 +25,7 @@ from torch import fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_compile.patterns import bucket_index, is_all_gather, is_collective, is_wait
+from fsdp_compile.patterns import CollectiveFacts, bucket_index, collective_facts, is_collective, is_wait
 from fsdp_compile.plan import Plan
 
 __all__ = ["Hardware", "NVLINK_GPU", "Collective", "collective_schedule", "estimate_timeline", "Timeline"]
@@ -54,15 +55,16 @@ class Collective:
     """One collective of a partitioned graph."""
 
     kind: str
-    """"all_gather" or "reduce_scatter"."""
+    """"all_gather", "reduce_scatter", "all_reduce" or "all_to_all"."""
     graph: str
     """"forward" or "backward"."""
     param: str
-    """The parameters it moves (their fqns, comma-separated, in bucket-buffer order)."""
+    """The parameters it moves (their fqns, comma-separated, in bucket-buffer order);
+    "(user collective)" for collectives not ours."""
     bucket: str
     """The plan bucket's name (``layers.3``); "(user collective)" for collectives not ours."""
     bytes: int
-    """Gathered output bytes (all_gather) or reduced input bytes (reduce_scatter)."""
+    """The full-size tensor: gathered output, reduced or sent input (``CollectiveFacts``)."""
     group: str
     world: int
     issue_position: int
@@ -81,6 +83,18 @@ def _is_compute(node: fx.Node) -> bool:
     return node.op == "call_function" and not is_collective(node) and not is_wait(node)
 
 
+def _moves(node: fx.Node, plan: Plan) -> tuple[str, str]:
+    """(fqns, bucket name) of the parameters a collective moves: a bucket's members, the one
+    parameter of an unbucketed reduction (an all-reduce), or none for a user's collective."""
+    index = bucket_index(node)
+    if index is not None:
+        return ", ".join(plan.param(i).fqn for i in node.meta["mfsdp_members"]), plan.buckets[index].name
+    param_id = node.meta.get("mfsdp_param_id")
+    if param_id is not None:
+        return plan.param(param_id).fqn, plan.bucket_of(param_id).name
+    return "(user collective)", "(user collective)"
+
+
 def collective_schedule(gm: fx.GraphModule, plan: Plan, graph: str) -> list[Collective]:
     """Every collective in ``gm`` (a partitioned ``graph``: "forward" or "backward")."""
     nodes = list(gm.graph.nodes)
@@ -90,23 +104,18 @@ def collective_schedule(gm: fx.GraphModule, plan: Plan, graph: str) -> list[Coll
         if not is_collective(node):
             continue
         wait = next(u for u in node.users if is_wait(u))
-        index = bucket_index(node)
-        fqns = (
-            ", ".join(plan.param(i).fqn for i in node.meta["mfsdp_members"])
-            if index is not None
-            else "(user collective)"
-        )
-        moved = node.meta["val"] if is_all_gather(node) else node.args[0].meta["val"]
+        facts = collective_facts(node)
+        fqns, bucket = _moves(node, plan)
         between = nodes[position[node] + 1 : position[wait]]
         schedule.append(
             Collective(
-                kind="all_gather" if is_all_gather(node) else "reduce_scatter",
+                kind=facts.kind,
                 graph=graph,
                 param=fqns,
-                bucket=plan.buckets[index].name if index is not None else fqns,
-                bytes=_nbytes(moved),
-                group=str(node.args[-1]),
-                world=int(node.args[-2]),
+                bucket=bucket,
+                bytes=facts.nbytes,
+                group=facts.group_name,
+                world=facts.world,
                 issue_position=position[node],
                 wait_position=position[wait],
                 overlapped_compute=[n.name for n in between if _is_compute(n)],
@@ -151,11 +160,13 @@ def _count_flops(target, args, kwargs) -> int:
     return counter.get_total_flops()
 
 
-def collective_seconds(kind: str, nbytes: int, world: int, hw: Hardware) -> float:
-    """Ring alpha-beta time of an all-gather or reduce-scatter moving ``nbytes`` in total."""
-    if world <= 1:
+def collective_seconds(facts: CollectiveFacts, hw: Hardware) -> float:
+    """Ring alpha-beta time of one collective (an all-reduce is a reduce-scatter and an
+    all-gather; an all-to-all sends all but its own piece once)."""
+    if facts.world <= 1:
         return 0.0
-    return hw.latency * (world - 1) + nbytes * (world - 1) / world / hw.link
+    passes = 2 if facts.kind == "all_reduce" else 1
+    return passes * (hw.latency * (facts.world - 1) + facts.nbytes * (facts.world - 1) / facts.world / hw.link)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,10 +198,8 @@ def estimate_timeline(gm: fx.GraphModule, graph: str, hw: Hardware = NVLINK_GPU)
     spans = []
     for node in gm.graph.nodes:
         if is_collective(node):
-            val = node.meta["val"] if is_all_gather(node) else node.args[0].meta["val"]
-            kind = "all_gather" if is_all_gather(node) else "reduce_scatter"
             start = max(compute_clock, comm_clock)
-            comm_clock = start + collective_seconds(kind, _nbytes(val), int(node.args[-2]), hw)
+            comm_clock = start + collective_seconds(collective_facts(node), hw)
             done[node] = comm_clock
             spans.append(Span(lane="comm", name=node.name, start=start, end=comm_clock))
         elif is_wait(node) and node.args[0] in done:

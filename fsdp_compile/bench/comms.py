@@ -1,8 +1,8 @@
 """Collectives per training step, counted two ways.
 
 - ``graph_census``: from the forward and backward graphs the ``mfsdp`` backend compiled (what a
-  compiled step launches, by construction). Bytes are the all-gather outputs and the
-  reduce-scatter inputs, read from each node's ``meta["val"]``.
+  compiled step launches, by construction). Bytes are the full-size tensors
+  (``fsdp_compile.patterns.CollectiveFacts``: all-gather outputs, reduced inputs).
 - ``profiled_census``: what actually reached the c10d dispatcher during one step, recorded by
   ``torch.profiler`` (CPU activity, ``record_shapes``). The profiler records every dispatcher
   op, including the ones run inside our eager markers (custom ops, which hide their inner ops
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from torch.profiler import profile
 
 from fsdp_compile.backend import CompiledGraph
-from fsdp_compile.patterns import is_all_gather, is_reduce_scatter
+from fsdp_compile.patterns import collective_facts, is_collective
 
 # c10d ops by kind, with the argument that carries the full-size tensor (all-gather output,
 # reduce-scatter input); the list-based ops record no shapes, so their bytes are unknown.
@@ -33,20 +33,17 @@ _C10D_OPS = {
     "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", None),
     "c10d::allreduce_": ("all_reduce", None),
     "c10d::allreduce_coalesced_": ("all_reduce", None),
+    "c10d::alltoall_base_": ("all_to_all", 1),
 }
 # The profiler names dtypes as C++ does.
 _PROFILER_DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
 
 
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
 def _empty_census(counted_by: str) -> dict:
-    return {
-        "all_gather": 0,
-        "reduce_scatter": 0,
-        "all_reduce": 0,
-        "all_gather_bytes": 0,
-        "reduce_scatter_bytes": 0,
-        "counted_by": counted_by,
-    }
+    return {**{k: 0 for k in _KINDS}, **{f"{k}_bytes": 0 for k in _KINDS}, "counted_by": counted_by}
 
 
 def graph_census(graphs: Iterable[CompiledGraph]) -> dict:
@@ -60,17 +57,11 @@ def graph_census(graphs: Iterable[CompiledGraph]) -> dict:
     for compiled in graphs:
         for gm in (compiled.forward, compiled.backward):
             for node in gm.graph.nodes:
-                if is_all_gather(node):
-                    census["all_gather"] += 1
-                    census["all_gather_bytes"] += _nbytes(node.meta["val"])
-                elif is_reduce_scatter(node):
-                    census["reduce_scatter"] += 1
-                    census["reduce_scatter_bytes"] += _nbytes(node.args[0].meta["val"])
+                if is_collective(node):
+                    facts = collective_facts(node)
+                    census[facts.kind] += 1
+                    census[f"{facts.kind}_bytes"] += facts.nbytes
     return census
-
-
-def _nbytes(tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def profiled_census(prof: profile) -> dict:
@@ -82,8 +73,6 @@ def profiled_census(prof: profile) -> dict:
             continue
         census[kind] += 1
         bytes_key = f"{kind}_bytes"
-        if bytes_key not in census:
-            continue
         size = _event_bytes(event, full_arg)
         if size is None or census[bytes_key] is None:
             census[bytes_key] = None

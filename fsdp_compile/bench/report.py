@@ -50,9 +50,11 @@ def _fmt(value, spec: str) -> str:
 
 
 def _mib_per_step(census: dict) -> float | None:
-    if census["all_gather_bytes"] is None or census["reduce_scatter_bytes"] is None:
+    """Bytes of every collective the step ran; None when one kind ran with unknown bytes."""
+    kinds = [k for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all") if census[k]]
+    if any(census[f"{k}_bytes"] is None for k in kinds):
         return None
-    return (census["all_gather_bytes"] + census["reduce_scatter_bytes"]) / 2**20
+    return sum(census[f"{k}_bytes"] for k in kinds) / 2**20
 
 
 _COLUMNS = (
@@ -63,6 +65,7 @@ _COLUMNS = (
     ("mem/fsdp2", ">10"),
     ("AG/step", ">8"),
     ("RS/step", ">8"),
+    ("AR/step", ">8"),
     ("MiB/step", ">9"),
     ("warm-up s", ">10"),
     ("loss@0", ">9"),
@@ -80,6 +83,7 @@ def _row(r: dict) -> tuple:
         _fmt(r["memory_vs_fsdp2"], ".2f"),
         comms["all_gather"],
         comms["reduce_scatter"],
+        comms["all_reduce"],
         _fmt(_mib_per_step(comms), ".1f"),
         _fmt(r["warmup_s"], ".1f"),
         _fmt(r["loss_step0"], ".5f"),

@@ -35,6 +35,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from fsdp_compile.fx_utils import finish
 from fsdp_compile.patterns import (
     bucket_index,
+    collective_facts,
     is_all_gather,
     is_collective,
     is_param_collective,
@@ -120,5 +121,5 @@ def check_bucket_collectives(gm: fx.GraphModule, plan: Plan) -> None:
         assert kind == "all_gather" or is_reduce_scatter(node)
         assert (kind, index) not in seen, f"bucket {index} has two {kind}s: {seen[kind, index].name}, {node.name}"
         seen[kind, index] = node
-        assert str(node.args[-1]) == plan.buckets[index].group_name, f"{node.name} on the wrong group"
+        assert collective_facts(node).group_name == plan.buckets[index].group_name, f"{node.name} on the wrong group"
         assert [is_wait(u) for u in node.users] == [True], f"{node.name} needs exactly one wait"

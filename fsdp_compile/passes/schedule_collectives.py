@@ -38,7 +38,7 @@ from torch import fx
 
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.fx_utils import finish
-from fsdp_compile.patterns import is_all_gather, is_param_collective, is_view
+from fsdp_compile.patterns import collective_facts, is_all_gather, is_param_collective, is_view
 from fsdp_compile.plan import Plan
 
 __all__ = [
@@ -65,8 +65,7 @@ class CollectiveGroup:
 
     @property
     def nbytes(self) -> int:
-        val = self.collective.meta["val"] if is_all_gather(self.collective) else self.collective.args[0].meta["val"]
-        return val.numel() * val.element_size()
+        return collective_facts(self.collective).nbytes
 
 
 def _bucket(node: fx.Node, plan: Plan) -> int | None:
