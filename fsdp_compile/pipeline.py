@@ -53,6 +53,8 @@ def build_pipeline(plan: Plan) -> list[Pass]:
         ),
     ]
     if plan.options.cuda_graph:
+        # First of all: a graph break is refused before any collective (the rank check) runs.
+        pipeline.insert(0, Pass("check_graph_breaks", "dynamo", passes.check_graph_breaks, rewrites=False))
         pipeline.append(
             Pass("check_cuda_graph", "partitioned", passes.check_cuda_graph, rewrites=False)
         )

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
-from fsdp_compile.passes import CudaGraphIncompatible, check_cuda_graph
+from fsdp_compile.passes import CudaGraphIncompatible, GraphBreakUnderCudaGraph, check_cuda_graph
 from harness import build_model, fake_process_group
 
 aten = torch.ops.aten
@@ -116,3 +116,58 @@ def test_sharded_models_pass_the_check(cfg):
         tokens, targets = make_batch(cfg, 2, 8, 0)
         loss_fn(torch.compile(model, backend=backend, dynamic=False)(tokens), targets).backward()
     assert len(backend.graphs) == 1
+
+
+class _SyncsOnTheHost(torch.nn.Module):
+    """A sharded layer, then a host sync of the kind Dynamo breaks the graph on."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        if self.kind == "loop":
+            for layer in self.layers:
+                x = layer(x)
+                if x.sum() > 1e6:  # a break inside a loop: Dynamo runs the whole frame in Python
+                    x = x * 0
+            return x
+        h = self.layers[0](x)
+        if self.kind == "item":
+            return self.layers[1](h * h.sum().item())
+        if self.kind == "tolist":
+            return self.layers[1](h * sum(h.sum(1).tolist()))
+        if h.sum() > 0:  # "if": a Python branch on a tensor
+            h = h * 2
+        return self.layers[1](h)
+
+
+@pytest.mark.parametrize(
+    "kind, line",
+    [
+        ("item", "h * h.sum().item()"),
+        ("tolist", "h * sum(h.sum(1).tolist())"),
+        ("if", "if h.sum() > 0:"),
+        ("loop", "_SyncsOnTheHost"),
+    ],
+)
+def test_graph_breaks_are_refused_naming_the_line(kind, line):
+    """Code Dynamo leaves to Python between graphs is read by no check: a host sync there
+    passed compilation and failed only inside CUDA graph capture (seen with .item())."""
+    with fake_process_group(2):
+        model = fully_shard(_SyncsOnTheHost(kind))
+        backend = MfsdpBackend(compiler="eager", cuda_graph=True)
+        with pytest.raises(GraphBreakUnderCudaGraph) as error:
+            torch.compile(model, backend=backend, dynamic=False)(torch.randn(4, 8))
+    message = str(error.value)
+    assert "test_cuda_graph_check.py" in message and "Fix:" in message
+    assert line in message or (kind == "loop" and "forward" in message and "loop" in message), message
+
+
+def test_graph_breaks_without_cuda_graph_still_compile():
+    with fake_process_group(2):
+        model = fully_shard(_SyncsOnTheHost("item"))
+        backend = MfsdpBackend(compiler="eager")
+        torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
+    assert len(backend.graphs) == 2

@@ -1,7 +1,8 @@
 """One module per pass; each is ``(gm, plan) -> gm`` and states its invariant in its docstring.
 
 Order (see ``fsdp_compile.pipeline.build_pipeline``):
-  Dynamo graph:  dedupe_unshards -> check_rank_agreement
+  Dynamo graph:  (check_graph_breaks, only with options["cuda_graph"]) -> dedupe_unshards
+                 -> check_rank_agreement
   joint graph:   constant_opaque_outputs -> lower_collectives -> reshard -> (min-cut partition)
   partitioned:   bucket_collectives -> schedule_collectives (forward and backward)
                  -> check_cuda_graph (only with options["cuda_graph"])
@@ -9,6 +10,7 @@ Order (see ``fsdp_compile.pipeline.build_pipeline``):
 
 from fsdp_compile.passes.bucket_collectives import bucket_collectives, check_bucket_collectives
 from fsdp_compile.passes.check_cuda_graph import CudaGraphIncompatible, check_cuda_graph
+from fsdp_compile.passes.check_graph_breaks import GraphBreakUnderCudaGraph, check_graph_breaks
 from fsdp_compile.passes.check_rank_agreement import check_rank_agreement, collective_fingerprint
 from fsdp_compile.passes.constant_opaque_outputs import (
     check_constant_opaque_outputs,
@@ -33,6 +35,8 @@ __all__ = [
     "collective_fingerprint",
     "check_cuda_graph",
     "CudaGraphIncompatible",
+    "check_graph_breaks",
+    "GraphBreakUnderCudaGraph",
     "dedupe_unshards",
     "check_dedupe_unshards",
     "constant_opaque_outputs",
