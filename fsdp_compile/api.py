@@ -13,8 +13,10 @@ the real parameters as example inputs, so the backend reads the plan's facts fro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +96,8 @@ class ShardInfo:
     fqn: str
     """First name the parameter was found under, relative to the module ``fully_shard`` got."""
     unit: str
-    """The ``fully_shard`` call that owns it, by that module's class and id (a bucketing hint)."""
+    """The ``fully_shard`` call that owns it, by that module's class and call number
+    (``Block#3``; a bucketing hint)."""
     global_shape: tuple[int, ...]
     """Shape a read returns: the unsharded parameter, or for stacked expert-parallel weights
     only this EP rank's experts."""
@@ -115,7 +118,8 @@ class ShardInfo:
     """Ranks the gradient is averaged over: the mesh's size, or for expert-parallel parameters
     the whole data-parallel world (see NOTE: expert gradient scale, in expert_parallel.py)."""
     reshard_after_forward: bool
-    """Free the gathered parameter after forward and gather again in backward."""
+    """Free the gathered parameter after forward and gather again in backward (see NOTE: the
+    reshard default)."""
     param_dtype: torch.dtype
     """Dtype on the wire and in the compute."""
     reduce_dtype: torch.dtype
@@ -125,6 +129,18 @@ class ShardInfo:
     ranks hold the layer's other experts. Its DTensor lives on the ``edp`` mesh, which does not
     show them, so a norm over all parameters must also sum over this group
     (``fsdp_compile.clip_grad_norm_``). "" for every other parameter."""
+
+
+# The first "<name>.<index>." of a dotted path: a ModuleList / Sequential child, i.e. one block.
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+def repeated_block(fqn: str) -> str:
+    """The repeated block a dotted parameter path lies in (``layers.3`` of
+    ``layers.3.attn.wqkv.weight``): its first ``ModuleList`` / ``Sequential`` child; "" for a
+    parameter outside every block (an embedding, a final norm)."""
+    match = _BLOCK.match(fqn)
+    return match.group(1) if match else ""
 
 
 def shard_info(param: object) -> ShardInfo | None:
@@ -204,7 +220,15 @@ def _managed_params(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
 
 # Markers carry this key so each joint-graph node names its parameter without guessing from
 # graph positions; every rank must shard the same modules in the same order (as with FSDP2).
+# Counters, not object ids or addresses: a fresh process that builds the model the same way
+# (every rank, every restart) names every parameter and unit alike, so plans and the compile
+# cache keys made from them agree across ranks and restarts.
 _param_ids = itertools.count()
+_unit_ids = itertools.count()
+
+
+def _unit_name(module: nn.Module) -> str:
+    return f"{type(module).__name__}#{next(_unit_ids)}"
 
 # Gradient accumulation state, by param_id (a tied parameter read through two modules has one
 # entry). While sync is off a parameter has an accumulator: a full-shape leaf whose ``.grad``
@@ -323,8 +347,9 @@ def _install_properties(module: nn.Module, props: dict[str, property]) -> None:
 
 def _check_strategy(
     strategy: object, reshard_after_forward: object, mesh: DeviceMesh | None
-) -> bool:
-    """The strategy's checks; returns the effective ``reshard_after_forward``."""
+) -> bool | None:
+    """The strategy's checks; returns ``reshard_after_forward`` for this strategy: False where
+    the strategy keeps gathered parameters, None where NOTE: the reshard default decides."""
     if strategy not in STRATEGIES:
         raise UsageError(
             f"unknown strategy {strategy!r}; fully_shard takes one of {', '.join(STRATEGIES)} "
@@ -345,7 +370,43 @@ def _check_strategy(
             "strategy='no_shard' replicates over the whole mesh; give it a 1-D mesh (a 2-D "
             "replicate x shard mesh is for the sharded strategies, HSDP)."
         )
-    return strategy == "optim_grads_params" and reshard_after_forward is not False
+    return reshard_after_forward if strategy == "optim_grads_params" else False
+
+
+def _reshards(choice: bool | None, fqn: str) -> bool:
+    """Whether the parameter at ``fqn`` (relative to the module ``fully_shard`` got) is freed
+    after forward.
+
+    NOTE: the reshard default
+        ``reshard_after_forward=None`` (ZeRO-3) does what FSDP2 does with its root: a
+        parameter inside a repeated block (``layers.3.``), or owned by a unit that an
+        enclosing ``fully_shard`` call wraps (``_reshard_wrapped_units``), is freed after its
+        forward use and gathered again in backward; the root's own parameters (embedding,
+        final norm, output head) stay gathered from forward to backward, in one bucket
+        (fsdp_compile.buckets). They are read last in forward and first in backward, so
+        freeing them buys little and costs one all-gather and one reduce-scatter per step
+        more than FSDP2. ``True`` frees every parameter of the unit; ``False`` keeps all.
+    """
+    return choice if choice is not None else repeated_block(fqn) != ""
+
+
+def _reshard_wrapped_units(module: nn.Module) -> None:
+    """Units inside ``module`` that were left to the default now reshard every parameter: an
+    enclosing call makes them non-root units (see NOTE: the reshard default)."""
+    for unit_module in module.modules():
+        if unit_module is module or not getattr(unit_module, "_mfsdp_reshard_default", False):
+            continue
+        unit_module._mfsdp_reshard_default = False
+        for owner in unit_module.modules():
+            props = {}
+            for name, prop in getattr(type(owner), "_mfsdp_props", {}).items():
+                info = prop.fget.keywords["info"]
+                if info.unit == unit_module._mfsdp_unit and not info.reshard_after_forward:
+                    info = dataclasses.replace(info, reshard_after_forward=True)
+                    owner._parameters[name]._mfsdp = info
+                    props[name] = _gathered_property(name, info)
+            if props:
+                _install_properties(owner, props)
 
 
 def _placements(strategy: str, mesh: DeviceMesh) -> list:
@@ -379,9 +440,11 @@ def fully_shard(
     Parameters become DTensors (``Shard(0)``, or ``Replicate()`` for no_shard) holding this
     rank's rows; buffers stay replicated. Reads of a sharded attribute return the full tensor,
     gathered; its gradient is averaged over the mesh and lands as ``.grad`` with the
-    parameter's placements. ``reshard_after_forward`` (ZeRO-3 only; default True) frees the
-    gathered parameter after forward and gathers again in backward. ``mp_policy`` sets the
-    dtypes of the gather and of the gradient reduction.
+    parameter's placements. ``reshard_after_forward`` (ZeRO-3 only) frees the gathered
+    parameter after forward and gathers again in backward: ``True`` for every parameter of the
+    unit, ``False`` for none; the default ``None`` frees those in repeated blocks and in
+    wrapped units and keeps the root's own, as FSDP2 keeps its root (NOTE: the reshard
+    default). ``mp_policy`` sets the dtypes of the gather and of the gradient reduction.
 
     Modules marked ``expert_parallel_enabled = True`` are owned by expert parallelism over
     ``expert_mesh`` (``fsdp_compile.expert_mesh``; see fsdp_compile/expert_parallel.py and
@@ -405,11 +468,12 @@ def fully_shard(
     group_name = mesh.get_group(shard_dim).group_name
     replicate_group_name = mesh.get_group(0).group_name if mesh.ndim == 2 else ""
     placements = _placements(strategy, mesh)
-    unit = f"{type(module).__name__}@{id(module):x}"
+    unit = _unit_name(module)
 
     sharded: dict[int, nn.Parameter] = {}
     for name, expert_module in marked:
-        for expert in assign_experts(name, expert_module, expert_mesh, strategy, shard_experts):
+        experts = assign_experts(name, expert_module, expert_mesh, strategy, shard_experts, _unit_name(expert_module))
+        for expert in experts:
             sharded[id(expert.param)] = _expert_shard(expert, reshard_after_forward, mp_policy)
     for key, (fqn, param) in _managed_params(module).items():
         if key in sharded:
@@ -430,7 +494,7 @@ def fully_shard(
             replicate_group_name=replicate_group_name,
             replicate_world=mesh.size(0) if replicate_group_name else 1,
             grad_divisor=mesh.size(),
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=_reshards(reshard_after_forward, fqn),
             **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(param.dtype))),
         )
         sharded[key] = _shard(param, mesh, placements, info)
@@ -445,7 +509,9 @@ def fully_shard(
         if props or submodule is module:
             # The unit's own module gets the class too, for set_requires_gradient_sync.
             _install_properties(submodule, props)
+    _reshard_wrapped_units(module)
     module._mfsdp_unit = unit
+    module._mfsdp_reshard_default = reshard_after_forward is None and strategy == "optim_grads_params"
     return module
 
 
@@ -463,7 +529,7 @@ def _shard(param: nn.Parameter, mesh: DeviceMesh, placements, info: ShardInfo) -
 
 
 def _expert_shard(
-    expert: ExpertParam, reshard_after_forward: bool, mp_policy: MixedPrecision
+    expert: ExpertParam, reshard_after_forward: bool | None, mp_policy: MixedPrecision
 ) -> nn.Parameter:
     info = ShardInfo(
         param_id=next(_param_ids),
@@ -477,7 +543,9 @@ def _expert_shard(
         replicate_group_name="",
         replicate_world=1,
         grad_divisor=expert.grad_divisor,
-        reshard_after_forward=reshard_after_forward and expert.strategy == "optim_grads_params",
+        reshard_after_forward=(
+            _reshards(reshard_after_forward, expert.fqn) and expert.strategy == "optim_grads_params"
+        ),
         ep_group_outside_mesh=expert.ep_group_outside_mesh,
         **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(expert.param.dtype))),
     )

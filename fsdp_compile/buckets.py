@@ -2,27 +2,31 @@
 
 A bucket is a run of parameters, consecutive in the order the forward first reads them, that
 share a key: their ``fully_shard`` unit, or, when the root was the only unit, the repeated block
-their fqn names (``layers.3.`` of ``layers.3.attn.wqkv.weight``), plus their process groups, strategy,
-wire dtype and gradient-reduction dtype, so a bucket never mixes groups, strategies or dtypes. A run longer than the byte cap is split
-greedily; a parameter larger than the cap is a bucket of its own. Parameters the root owns
-outside any block (embedding, final norm) form one bucket per run: the embedding's bucket at
-the start of the forward, the final norm's at the end, rather than one bucket gathered at the
-start and held through the whole forward.
+their fqn names (``layers.3.`` of ``layers.3.attn.wqkv.weight``), plus whether they are freed
+after forward, their process groups, strategy, wire dtype and gradient-reduction dtype, so a
+bucket never mixes groups, strategies, dtypes or reshard decisions. A run longer than the byte
+cap is split greedily; a parameter larger than the cap is a bucket of its own.
+
+Parameters kept gathered from forward to backward (the root's own under NOTE: the reshard
+default, in fsdp_compile/api.py) form one bucket per key wherever the forward reads them:
+the embedding at the start, the final norm at the end. Splitting them would save no memory
+where it matters (they are all alive from the end of forward to the start of backward, the
+step's peak) and costs a collective each way: one bucket is what FSDP2 gathers for its root.
+Parameters freed after forward form one bucket per run instead (an embedding freed after its
+lookup is not gathered again with the head).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
+
+from fsdp_compile.api import repeated_block
 
 if TYPE_CHECKING:
     from fsdp_compile.plan import ParamPlan
 
 __all__ = ["BucketPlan", "plan_buckets"]
-
-# The first "<name>.<index>." of a dotted path: a ModuleList / Sequential child, i.e. one block.
-_BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,17 +40,15 @@ class BucketPlan:
     param_ids: tuple[int, ...]
     """Members, in first-read order; their shards lie in this order in the bucket buffer."""
     group_name: str
+    reshard_after_forward: bool
+    """Freed after forward and gathered again in backward; False: kept gathered from its
+    forward use to its backward use (see NOTE: the reshard default, in fsdp_compile/api.py)."""
     param_dtype: str
     """Dtype of the all-gather."""
     reduce_dtype: str
     """Dtype of the reduce-scatter."""
     gathered_bytes: int
     """Bytes of the gathered bucket (padded rows of every member, all ranks)."""
-
-
-def _block(fqn: str) -> str:
-    match = _BLOCK.match(fqn)
-    return match.group(1) if match else ""
 
 
 def _common_path(fqns: Sequence[str]) -> str:
@@ -80,7 +82,8 @@ def plan_buckets(
     def key(p: ParamPlan) -> tuple:
         # The strategy and replicate group decide which collectives a member has at all.
         return (
-            _block(p.fqn) if one_unit else p.unit,
+            repeated_block(p.fqn) if one_unit else p.unit,
+            p.reshard_after_forward,
             p.group_name,
             p.replicate_group_name,
             p.strategy,
@@ -88,22 +91,30 @@ def plan_buckets(
             p.reduce_dtype,
         )
 
+    def fits(run: list[ParamPlan] | None, param: ParamPlan) -> bool:
+        return run is not None and (
+            cap_bytes is None or sum(p.gathered_bytes for p in run) + param.gathered_bytes <= cap_bytes
+        )
+
     runs: list[list[ParamPlan]] = []
+    kept: dict[tuple, list[ParamPlan]] = {}  # the open bucket of each key kept gathered
     for param in ordered:
         last = runs[-1] if runs else None
-        fits = last is not None and (
-            cap_bytes is None or sum(p.gathered_bytes for p in last) + param.gathered_bytes <= cap_bytes
-        )
-        if enabled and fits and key(last[0]) == key(param):
+        if not param.reshard_after_forward:
+            last = kept.get(key(param))
+        if enabled and fits(last, param) and key(last[0]) == key(param):
             last.append(param)
         else:
             runs.append([param])
+            if not param.reshard_after_forward:
+                kept[key(param)] = runs[-1]
     return tuple(
         BucketPlan(
             index=i,
             name=_common_path([p.fqn for p in run]),
             param_ids=tuple(p.param_id for p in run),
             group_name=run[0].group_name,
+            reshard_after_forward=run[0].reshard_after_forward,
             param_dtype=run[0].param_dtype,
             reduce_dtype=run[0].reduce_dtype,
             gathered_bytes=sum(p.gathered_bytes for p in run),

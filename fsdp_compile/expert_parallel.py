@@ -70,7 +70,8 @@ def expert_mesh(device_type: str, ep_size: int) -> DeviceMesh:
             f"expert parallel size {ep_size!r} does not divide the world size {world}; pick an "
             f"EP size that divides it (e.g. one of {[d for d in range(1, world + 1) if world % d == 0]})."
         )
-    ranks = torch.arange(world).view(world // ep_size, ep_size).t()  # [ep, edp]
+    # On the CPU explicitly: a model built under `with torch.device("meta")` may be sharded there.
+    ranks = torch.arange(world, device="cpu").view(world // ep_size, ep_size).t()  # [ep, edp]
     return DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
@@ -213,12 +214,13 @@ def assign_experts(
     expert_mesh: DeviceMesh,
     strategy: str,
     shard_experts: bool,
+    unit: str,
 ) -> list[ExpertParam]:
     """Give this EP rank its experts of ``module``; return how to store each parameter.
 
     A ModuleList keeps only this rank's entries (the others become ``RemoteExpert``); stacked
     parameters keep their global shape as DTensors whose local rows are this rank's experts.
-    Sets ``module.expert_parallel_group``.
+    Sets ``module.expert_parallel_group``. ``unit`` names the experts' own unit.
     """
     ep_group, edp_group = expert_mesh.get_group("ep"), expert_mesh.get_group("edp")
     group = ExpertParallelGroup(
@@ -234,7 +236,7 @@ def assign_experts(
         group_name=edp_group.group_name,
         world=edp_group.size(),
         grad_divisor=expert_mesh.size(),
-        unit=f"{type(module).__name__}@{id(module):x}",
+        unit=unit,
     )
     stacked = not isinstance(module, nn.ModuleList)
     outside = "" if stacked else group.group_name  # the ep dim is in a stacked weight's mesh

@@ -24,6 +24,8 @@ from fsdp_compile.models import Transformer, TransformerConfig, loss_fn, make_ba
 STEPS = 5
 LOCAL_BATCH = 2
 SEQ = 16
+EP_WORLD, EP = 4, 2
+"""Expert-parallel runs: 4 ranks as EP 2 x edp 2."""
 
 
 def free_port() -> int:
@@ -116,6 +118,15 @@ def fake_process_group(world: int, rank: int = 0):
         dist.destroy_process_group()
 
 
+def moe_config(*, fused: bool, **overrides) -> TransformerConfig:
+    """One MoE block, 4 experts marked expert-parallel, no token dropped (capacity factor 2
+    with top-2 of 4: per-rank routing equals the reference's global routing)."""
+    return TransformerConfig(
+        n_layers=1, n_experts=4, top_k=2, capacity_factor=2.0,
+        fused_experts=fused, expert_parallel=True, **overrides,
+    )
+
+
 def build_model(cfg: TransformerConfig, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(cfg)
@@ -129,19 +140,20 @@ def global_batch(cfg: TransformerConfig, step: int, world: int):
 
 def train(
     model, forward, batches, *, steps: int = STEPS, lr: float = 1e-2, max_norm: float | None = None,
-    clip_grad_norm=torch.nn.utils.clip_grad_norm_,
+    clip_grad_norm=torch.nn.utils.clip_grad_norm_, criterion=loss_fn,
 ) -> torch.Tensor:
     """The one training loop: AdamW on ``model``'s parameters, ``forward`` runs each step.
 
     ``forward`` is the model itself or ``torch.compile(model, ...)``; ``batches(step)`` gives
-    (tokens, targets); with ``max_norm`` each step clips with ``clip_grad_norm`` before the
-    optimizer. Returns this process's per-step losses.
+    (inputs, targets) and ``criterion(outputs, targets)`` the loss (the test transformer's by
+    default); with ``max_norm`` each step clips with ``clip_grad_norm`` before the optimizer.
+    Returns this process's per-step losses.
     """
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        tokens, targets = batches(step)
-        loss = loss_fn(forward(tokens), targets)
+        inputs, targets = batches(step)
+        loss = criterion(forward(inputs), targets)
         loss.backward()
         if max_norm is not None:
             clip_grad_norm(model.parameters(), max_norm)
@@ -243,6 +255,134 @@ def parity_run(rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_no
             "held": sorted(params),
         }
     return results
+
+
+# ---- gradient accumulation ------------------------------------------------------------------
+
+MICRO_BATCHES = 3
+ACCUMULATION_STEPS = 3
+
+
+def _micro_batch(cfg, step, micro, rank):
+    """Micro-batch ``micro`` of optimizer step ``step`` on ``rank``."""
+    return make_batch(cfg, LOCAL_BATCH, SEQ, step * MICRO_BATCHES + micro, rank)
+
+
+def accumulate_run(rank, world, *, cfg, mode, **shard_options):
+    """k micro-batches per optimizer step, sync only on the last, against a reference that
+    trains on all ranks' micro-batches of a step as one batch. ``mode``: "none" (uncompiled
+    markers) or the mfsdp compiler; ``shard_options`` go through ``with_meshes`` to
+    ``fully_shard``."""
+    from fsdp_compile import MfsdpBackend, fully_shard
+    from fsdp_compile.patterns import count_collectives
+
+    reference = build_model(cfg)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_losses = []
+    for step in range(ACCUMULATION_STEPS):
+        parts = [_micro_batch(cfg, step, j, r) for j in range(MICRO_BATCHES) for r in range(world)]
+        loss = loss_fn(reference(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts]))
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.detach())
+
+    torch._dynamo.reset()
+    model = fully_shard(build_model(cfg), **with_meshes(shard_options))
+    backend = MfsdpBackend(compiler=mode) if mode != "none" else None
+    forward = torch.compile(model, backend=backend) if backend else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(ACCUMULATION_STEPS):
+        total = torch.zeros(())
+        for micro in range(MICRO_BATCHES):
+            model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)
+            tokens, targets = _micro_batch(cfg, step, micro, rank)
+            loss = loss_fn(forward(tokens), targets) / MICRO_BATCHES
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    params = full_parameters(model)  # an expert-parallel ModuleList holds this rank's experts
+    expected = {n: p.detach() for n, p in reference.named_parameters() if n in params}
+    return {
+        "loss_error": relative_error(mean_over_ranks(torch.stack(losses)), torch.stack(ref_losses)),
+        "param_error": max_param_error(params, expected)[0],
+        "backward_collectives": [
+            dict(count_collectives(g.backward.graph)) for g in (backend.graphs if backend else [])
+        ],
+        "trainable": sum(p.requires_grad for p in model.parameters()),
+        "reducing_buckets": sum(
+            any(plan.param(i).requires_grad for i in bucket.param_ids)
+            for plan in ([backend.graphs[-1].plan] if backend else [])
+            for bucket in plan.buckets
+        ),
+    }
+
+
+
+# ---- DCP checkpoints: save, then resume under another world size or layout ----------------------
+
+VIRTUAL_RANKS = 4  # the global batch of each step is 4 pieces, split evenly over the ranks
+SAVE_AFTER, TOTAL = 2, 4
+
+
+def _checkpoint_batch(cfg, step, rank, world):
+    """This rank's share of the VIRTUAL_RANKS pieces of a step's global batch."""
+    pieces = [make_batch(cfg, 2, 8, step, r) for r in range(VIRTUAL_RANKS)]
+    share = VIRTUAL_RANKS // world
+    mine = pieces[rank * share : (rank + 1) * share]
+    return torch.cat([p[0] for p in mine]), torch.cat([p[1] for p in mine])
+
+
+def _checkpoint_steps(model, forward, opt, cfg, steps, rank, world):
+    losses = []
+    for step in steps:
+        tokens, targets = _checkpoint_batch(cfg, step, rank, world)
+        loss = loss_fn(forward(tokens), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return mean_over_ranks(torch.stack(losses)) if world > 1 else torch.stack(losses)
+
+
+def checkpoint_setup(cfg, seed, **shard_options):
+    """A sharded model (``shard_options`` through ``with_meshes``), its eager-compiled forward
+    and AdamW; ``seed`` picks the initial weights."""
+    from fsdp_compile import MfsdpBackend, fully_shard
+
+    model = fully_shard(build_model(cfg, seed=seed), **with_meshes(shard_options))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.compile(model, backend=MfsdpBackend(compiler="eager")), opt
+
+
+def checkpoint_save_run(rank, world, *, cfg, path, **shard_options):
+    """Train, save model and optimizer with DCP after SAVE_AFTER steps, go on to TOTAL; the
+    mean losses after the save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, forward, opt = checkpoint_setup(cfg, seed=0, **shard_options)
+    _checkpoint_steps(model, forward, opt, cfg, range(SAVE_AFTER), rank, world)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return _checkpoint_steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
+
+
+def checkpoint_resume_run(rank, world, *, cfg, path, **shard_options):
+    """Start from other weights (only the checkpoint can fix them), load, train from
+    SAVE_AFTER to TOTAL; the mean losses, to compare with ``checkpoint_save_run``'s."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, forward, opt = checkpoint_setup(cfg, seed=1, **shard_options)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _checkpoint_steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
 
 
 def assert_parity(results, tolerance: float = TOLERANCE):

@@ -23,15 +23,18 @@ def test_checkpointed_blocks_train_to_parity(strategy):
 
 @pytest.mark.parametrize("world", [8, 64])
 def test_no_gathered_parameter_is_saved_across_a_checkpointed_block(world):
-    """ZeRO-3 with checkpointed blocks: the forward returns no gathered parameter (nor a view
-    of one) for backward, the backward gathers what it recomputes, and only the shards and
-    the block inputs cross from forward to backward."""
+    """ZeRO-3 with checkpointed blocks: the forward returns no gathered block parameter (nor a
+    view of one) for backward, the backward gathers what it recomputes, and only the shards,
+    the block inputs and the root's kept parameters (NOTE: the reshard default) cross from
+    forward to backward."""
     with fake_process_group(world):
         model = fully_shard(build_model(CHECKPOINTED))
         backend = MfsdpBackend(compiler="eager")
         tokens, targets = make_batch(CHECKPOINTED, 2, 8, 0, 0)
         loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
     (graph,) = backend.graphs
-    assert saved_gathered_params(graph.forward) == []
+    kept = {p.param_id for p in graph.plan.params if not p.reshard_after_forward}
+    assert {graph.plan.param(i).fqn for i in kept} == {"embed.weight", "pos", "norm.weight"}
+    assert set(saved_gathered_params(graph.forward)) <= kept
     # Each recomputed block gathers its bucket again.
     assert count_collectives(graph.backward.graph)["all_gather"] >= CHECKPOINTED.n_layers

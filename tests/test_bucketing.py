@@ -240,6 +240,7 @@ def _bucketed_vs_unbucketed(rank, world, *, cfg, variants, steps=3):
             "param_error": max_param_error(params, ref_params)[0],
             "counts": [dict(count_collectives(g.graph)) for g in (graph.forward, graph.backward)],
             "buckets": len(graph.plan.buckets),
+            "kept_buckets": sum(not b.reshard_after_forward for b in graph.plan.buckets),
             "peak": max(peak_inflight_bytes(gather_lifetimes(g, graph.plan)) for g in (graph.forward, graph.backward)),
         }
     return results
@@ -259,7 +260,9 @@ def test_bucketed_training_equals_unbucketed_on_two_gloo_ranks():
         assert torch.equal(bucketed["losses"], base["losses"])
         assert all(torch.equal(bucketed["params"][k], v) for k, v in base["params"].items())
         n = bucketed["buckets"]
-        assert bucketed["counts"] == [{"all_gather": n}, {"all_gather": n, "reduce_scatter": n}]
+        kept = bucketed["kept_buckets"]  # the root's, gathered once (NOTE: the reshard default)
+        assert kept == 1
+        assert bucketed["counts"] == [{"all_gather": n}, {"all_gather": n - kept, "reduce_scatter": n}]
         assert base["counts"][0]["all_gather"] > n
         assert bucketed["peak"] <= bound
 
@@ -270,9 +273,12 @@ def _collective_sequence(graph) -> list[tuple]:
     sequence = []
     for role in ("forward", "backward"):
         for node in getattr(graph, role).graph.nodes:
-            if is_collective(node) or "all_to_all" in str(node.target):
+            if is_collective(node):
                 bucket, member = bucket_index(node), node.meta.get("mfsdp_param_id")
-                what = bucket if bucket is not None else member and graph.plan.param(member).fqn
+                # By name, never by param_id: ids count parameters sharded earlier in the
+                # process (a real rank is a fresh process; here four ranks share one), and
+                # `member and ...` once read param_id 0 as "no parameter".
+                what = bucket if bucket is not None else member is not None and graph.plan.param(member).fqn
                 sequence.append((role, str(node.target), what, node.meta["val"].shape))
     return sequence
 

@@ -97,14 +97,14 @@ def test_explain_summarises_parameters_and_collectives():
         tokens, _ = make_batch(cfg, 2, 8, 0)
         summary = fsdp_compile.explain(model, tokens)
     assert summary.managed == len({id(p) for p in model.parameters()})
-    assert summary.buckets == 5  # <root>, three blocks, the final norm
+    assert summary.buckets == 4  # <root> (embedding, positions, final norm: kept gathered), three blocks
     assert summary.collectives["forward all_gather"] == summary.buckets
     assert summary.collectives["backward reduce_scatter"] == summary.buckets
     assert "tied with head.weight" in summary.excluded["embed.weight"]
     assert "frozen" in summary.excluded["pos"]
     assert 0 < summary.exposed_comm_seconds <= summary.step_seconds
     text = str(summary)
-    assert "collectives per step" in text and "exposed communication" in text and "buckets: 5" in text
+    assert "collectives per step" in text and "exposed communication" in text and "buckets: 4" in text
 
 
 def test_bad_debug_dir_option_is_rejected():

@@ -15,23 +15,18 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from fsdp_compile import MfsdpBackend, expert_mesh, fully_shard
+from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.ops import STRATEGIES
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, count_collectives
 from harness import (
-    LOCAL_BATCH,
-    SEQ,
+    accumulate_run,
     assert_parity,
     build_model,
     fake_process_group,
-    full_parameters,
-    max_param_error,
-    mean_over_ranks,
     parity_run,
     persistent_bytes,
-    relative_error,
     spawn,
 )
 
@@ -91,16 +86,21 @@ def test_collectives_per_step_follow_the_strategy(strategy, world):
     model, graph = _compiled_step(world, strategy=strategy)
     counts = {"all": len(graph.plan.params), "trainable": len(graph.plan.trainable)}
     if strategy == "optim_grads_params":
-        # ZeRO-3 gathers again in backward, once each, what backward reads: at least what
-        # ZeRO-2 keeps from forward for it (not, e.g., a bias whose gradient needs no value).
+        # ZeRO-3 gathers again in backward, once each, what backward reads of the resharded
+        # parameters; the root's own stay gathered from forward (NOTE: the reshard default).
+        # Together: at least what ZeRO-2 keeps from forward for backward (not, e.g., a bias
+        # whose gradient needs no value).
         regathered = [
             graph.plan.param(n.meta["mfsdp_param_id"]).fqn
             for n in graph.backward.graph.nodes
             if n.target == ALL_GATHER
         ]
+        saved = {graph.plan.param(i).fqn for i in saved_gathered_params(graph.forward)}
+        root = {p.fqn for p in graph.plan.params if not p.reshard_after_forward}
+        assert root == {"embed.weight", "pos", "norm.weight"} and saved <= root
+        assert not saved & set(regathered)
         _, kept = _compiled_step(world, strategy="optim_grads")
-        assert {kept.plan.param(i).fqn for i in saved_gathered_params(kept.forward)} <= set(regathered)
-        assert saved_gathered_params(graph.forward) == []
+        assert {kept.plan.param(i).fqn for i in saved_gathered_params(kept.forward)} <= set(regathered) | saved
         counts["regathered"] = len(set(regathered))
     forward, backward = EXPECTED_COLLECTIVES[strategy]
     assert count_collectives(graph.forward.graph) == {k: counts[v] for k, v in forward.items()}
@@ -136,71 +136,13 @@ def test_hsdp_collectives_stay_in_their_groups():
 
 # ---- gradient accumulation ----------------------------------------------------------------
 
-MICRO_BATCHES = 3
-ACCUMULATION_STEPS = 3
-
-
-def _micro_batch(cfg, step, micro, rank):
-    return make_batch(cfg, LOCAL_BATCH, SEQ, step * MICRO_BATCHES + micro, rank)
-
-
-def _accumulate(rank, world, *, cfg, strategy, mode, ep_size=None):
-    """k micro-batches per optimizer step, sync only on the last, against a reference that
-    trains on all ranks' micro-batches of a step as one batch (``ep_size``: experts
-    expert-parallel, ``fsdp_compile.expert_mesh``)."""
-    reference = build_model(cfg)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    ref_losses = []
-    for step in range(ACCUMULATION_STEPS):
-        parts = [_micro_batch(cfg, step, j, r) for j in range(MICRO_BATCHES) for r in range(world)]
-        loss = loss_fn(reference(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts]))
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.detach())
-
-    torch._dynamo.reset()
-    experts = {"expert_mesh": expert_mesh("cpu", ep_size)} if ep_size else {}
-    model = fully_shard(build_model(cfg), strategy=strategy, **experts)
-    backend = MfsdpBackend(compiler=mode) if mode != "none" else None
-    forward = torch.compile(model, backend=backend) if backend else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(ACCUMULATION_STEPS):
-        total = torch.zeros(())
-        for micro in range(MICRO_BATCHES):
-            model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)
-            tokens, targets = _micro_batch(cfg, step, micro, rank)
-            loss = loss_fn(forward(tokens), targets) / MICRO_BATCHES
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    params = full_parameters(model)  # an expert-parallel ModuleList holds this rank's experts
-    expected = {n: p.detach() for n, p in reference.named_parameters() if n in params}
-    return {
-        "loss_error": relative_error(mean_over_ranks(torch.stack(losses)), torch.stack(ref_losses)),
-        "param_error": max_param_error(params, expected)[0],
-        "backward_collectives": [
-            dict(count_collectives(g.backward.graph)) for g in (backend.graphs if backend else [])
-        ],
-        "trainable": sum(p.requires_grad for p in model.parameters()),
-        "reducing_buckets": sum(
-            any(plan.param(i).requires_grad for i in bucket.param_ids)
-            for plan in ([backend.graphs[-1].plan] if backend else [])
-            for bucket in plan.buckets
-        ),
-    }
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gradient_accumulation_reduces_once(strategy):
     """Parity for 3 micro-batches per step; the compiled no-sync graph reduces nothing, the
     final one reduces each gradient once (the accumulated sum included)."""
     cfg = TransformerConfig()
     for mode in ("none", "eager"):
-        for result in spawn(_accumulate, 2, cfg=cfg, strategy=strategy, mode=mode):
+        for result in spawn(accumulate_run, 2, cfg=cfg, strategy=strategy, mode=mode):
             assert result["loss_error"] < 1e-5 and result["param_error"] < 1e-5, (mode, result)
             if mode == "none":
                 continue
