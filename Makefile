@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_tiny_gpt.py
 
+# Tests run in a random order (pytest-randomly). Not -q: the header names the order's seed;
+# `pytest --randomly-seed=N tests` replays it, `pytest -p no:randomly tests` runs file order.
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

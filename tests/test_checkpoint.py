@@ -7,70 +7,28 @@ and loads them into any other sharding; the optimizer state is sharded the same 
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from fsdp_compile import MfsdpBackend, expert_mesh, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
-from harness import build_model, mean_over_ranks, relative_error, spawn
-
-VIRTUAL_RANKS = 4  # the global batch of each step is 4 pieces, split evenly over the ranks
-SAVE_AFTER, TOTAL = 2, 4
-
-
-def _batch(cfg, step, rank, world):
-    pieces = [make_batch(cfg, 2, 8, step, r) for r in range(VIRTUAL_RANKS)]
-    share = VIRTUAL_RANKS // world
-    mine = pieces[rank * share : (rank + 1) * share]
-    return torch.cat([p[0] for p in mine]), torch.cat([p[1] for p in mine])
-
-
-def _steps(model, forward, opt, cfg, steps, rank, world):
-    losses = []
-    for step in steps:
-        tokens, targets = _batch(cfg, step, rank, world)
-        loss = loss_fn(forward(tokens), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return mean_over_ranks(torch.stack(losses)) if world > 1 else torch.stack(losses)
-
-
-def _setup(cfg, seed, strategy="optim_grads_params", ep_size=None):
-    experts = {"expert_mesh": expert_mesh("cpu", ep_size)} if ep_size else {}
-    model = fully_shard(build_model(cfg, seed=seed), strategy=strategy, **experts)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, torch.compile(model, backend=MfsdpBackend(compiler="eager")), opt
-
-
-def _train_save_continue(rank, world, *, cfg, path, **shard_options):
-    """Train, save after SAVE_AFTER steps, go on; ``shard_options``: strategy, ep_size."""
-    model, forward, opt = _setup(cfg, seed=0, **shard_options)
-    _steps(model, forward, opt, cfg, range(SAVE_AFTER), rank, world)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    return _steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
-
-
-def _load_continue(rank, world, *, cfg, path, **shard_options):
-    # Other weights: only the checkpoint can fix them.
-    model, forward, opt = _setup(cfg, seed=1, **shard_options)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return _steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
+from fsdp_compile import fully_shard
+from fsdp_compile.models import TransformerConfig
+from harness import (
+    build_model,
+    checkpoint_resume_run,
+    checkpoint_save_run,
+    checkpoint_setup,
+    relative_error,
+    spawn,
+)
 
 
 def test_save_on_4_load_on_2_and_1_resumes_the_same_losses(tmp_path):
     cfg = TransformerConfig()
     path = str(tmp_path / "ckpt")
-    uninterrupted = spawn(_train_save_continue, 4, cfg=cfg, path=path)[0]
+    uninterrupted = spawn(checkpoint_save_run, 4, cfg=cfg, path=path)[0]
     for world in (2, 1):
-        resumed = spawn(_load_continue, world, cfg=cfg, path=path)[0]
+        resumed = spawn(checkpoint_resume_run, world, cfg=cfg, path=path)[0]
         assert relative_error(resumed, uninterrupted) < 1e-5, (world, resumed, uninterrupted)
 
 
@@ -88,8 +46,8 @@ NEXT_STRATEGY = {
 def test_every_strategy_saves_on_4_and_resumes_on_2_under_another(tmp_path, strategy):
     cfg = TransformerConfig(n_layers=2)
     path = str(tmp_path / "ckpt")
-    uninterrupted = spawn(_train_save_continue, 4, cfg=cfg, path=path, strategy=strategy)[0]
-    resumed = spawn(_load_continue, 2, cfg=cfg, path=path, strategy=NEXT_STRATEGY[strategy])[0]
+    uninterrupted = spawn(checkpoint_save_run, 4, cfg=cfg, path=path, strategy=strategy)[0]
+    resumed = spawn(checkpoint_resume_run, 2, cfg=cfg, path=path, strategy=NEXT_STRATEGY[strategy])[0]
     assert relative_error(resumed, uninterrupted) < 1e-5, (resumed, uninterrupted)
 
 
@@ -110,10 +68,10 @@ def test_state_dict_holds_shards_with_global_shapes():
 
 
 def _save_then_load_other_shapes(rank, world, *, path):
-    model, _, opt = _setup(TransformerConfig(), seed=0)
+    model, _, opt = checkpoint_setup(TransformerConfig(), seed=0)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd}, checkpoint_id=path)
-    other, _, other_opt = _setup(TransformerConfig(hidden=96), seed=0)
+    other, _, other_opt = checkpoint_setup(TransformerConfig(hidden=96), seed=0)
     state = {"model": get_state_dict(other, other_opt)[0]}
     try:
         dcp.load(state, checkpoint_id=path)

@@ -15,16 +15,18 @@ from torch import nn
 from fsdp_compile import MfsdpBackend, clip_grad_norm_, fully_shard
 from fsdp_compile.models import TransformerConfig, loss_fn
 from harness import (
+    EP,
+    EP_WORLD as WORLD,
     assert_parity,
     build_model,
     global_batch,
     parity_run,
     rank_batches,
+    moe_config,
     relative_error,
     spawn,
     with_meshes,
 )
-from test_expert_parallel import EP, WORLD, moe_config
 
 MAX_NORM = 0.05
 """Below every test model's gradient norm, so clipping scales."""

@@ -18,24 +18,19 @@ from fsdp_compile.expert_parallel import RemoteExpert
 from fsdp_compile.models import GroupedExperts, TransformerConfig, loss_fn, make_batch
 from fsdp_compile.patterns import bucket_index, is_all_gather, is_collective
 from harness import (
+    EP,
+    EP_WORLD,
     assert_parity,
     build_model,
     fake_process_group,
+    moe_config,
     parity_run,
     persistent_bytes,
     relative_error,
     spawn,
 )
 
-WORLD, EP = 4, 2
-
-
-def moe_config(*, fused: bool, **overrides) -> TransformerConfig:
-    """One MoE block, 4 experts, no token dropped."""
-    return TransformerConfig(
-        n_layers=1, n_experts=4, top_k=2, capacity_factor=2.0,
-        fused_experts=fused, expert_parallel=True, **overrides,
-    )
+WORLD = EP_WORLD
 
 
 @pytest.mark.parametrize("shard_experts", [False, True], ids=["ep", "ep-efsdp"])

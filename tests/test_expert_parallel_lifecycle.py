@@ -13,19 +13,22 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from fsdp_compile import MfsdpBackend, expert_mesh, fully_shard
 from fsdp_compile.models import Transformer
 from harness import (
+    EP,
+    EP_WORLD as WORLD,
+    accumulate_run,
     build_model,
+    checkpoint_resume_run,
+    checkpoint_save_run,
     full_parameters,
     max_param_error,
     mean_over_ranks,
+    moe_config,
     rank_batches,
     reference,
     relative_error,
     spawn,
     train,
 )
-from test_checkpoint import _load_continue, _train_save_continue
-from test_expert_parallel import EP, WORLD, moe_config
-from test_strategies import _accumulate
 
 FORMS = pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
 
@@ -36,7 +39,7 @@ def test_expert_parallel_gradient_accumulation_reduces_once(fused):
     reduction at all (expert all-reduces over edp included)."""
     for mode in ("none", "eager"):
         for result in spawn(
-            _accumulate, WORLD, cfg=moe_config(fused=fused), strategy="optim_grads_params", mode=mode, ep_size=EP
+            accumulate_run, WORLD, cfg=moe_config(fused=fused), strategy="optim_grads_params", mode=mode, ep_size=EP
         ):
             assert result["loss_error"] < 1e-5 and result["param_error"] < 1e-5, (mode, result)
             if mode == "eager":
@@ -56,9 +59,9 @@ def test_expert_parallel_checkpoint_resumes_under_another_layout(tmp_path, fused
     stacked: one [E, ...] DTensor), so DCP moves experts between EP ranks."""
     cfg = moe_config(fused=fused)
     path = str(tmp_path / "ckpt")
-    uninterrupted = spawn(_train_save_continue, WORLD, cfg=cfg, path=path, ep_size=EP)[0]
+    uninterrupted = spawn(checkpoint_save_run, WORLD, cfg=cfg, path=path, ep_size=EP)[0]
     for world, ep in ((4, 4), (2, 2)):
-        resumed = spawn(_load_continue, world, cfg=cfg, path=path, ep_size=ep)[0]
+        resumed = spawn(checkpoint_resume_run, world, cfg=cfg, path=path, ep_size=ep)[0]
         assert relative_error(resumed, uninterrupted) < 1e-5, (world, ep, resumed, uninterrupted)
 
 
