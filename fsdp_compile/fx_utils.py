@@ -15,22 +15,23 @@ def _val(arg: Any) -> Any:
     return arg.meta["val"] if isinstance(arg, fx.Node) else arg
 
 
-def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
-    """Insert ``target(*args)`` at the graph's insert point, with ``meta["val"]`` filled.
+def call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's insert point, with ``meta["val"]``
+    filled.
 
     Later stages (the min-cut partitioner, Inductor) read sizes and dtypes from
     ``meta["val"]``, so every node a pass adds carries one, computed under the fake mode of its
     inputs.
     """
-    node = graph.call_function(target, args)
-    vals = tree_map(_val, args)
+    node = graph.call_function(target, args, kwargs)
+    vals, kwvals = tree_map(_val, (args, kwargs))
     fake_mode = next(
-        (v.fake_mode for v in vals if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")),
+        (v.fake_mode for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")),
         None,
     )
     if fake_mode is not None:
         with fake_mode:
-            node.meta["val"] = target(*vals)
+            node.meta["val"] = target(*vals, **kwvals)
     return node
 
 

@@ -6,7 +6,9 @@ merged in the graph that runs them, and ``reshard``'s per-parameter recompute ta
 are. A backward bucket holds the members the backward actually re-gathers or reduces (a bias
 whose gradient needs no weight is not re-gathered): never more than the plan's bucket.
 
-The merges are torch's own (``torch._inductor.fx_passes.bucketing``): see NOTE: bucket layout.
+The merges build the nodes torch's own bucketing (``torch._inductor.fx_passes.bucketing``)
+would trace, with its packing op, directly: tracing them costs a ``make_fx`` run per bucket,
+which at 32 layers was 40% of the backend's time. See NOTE: bucket layout.
 
 NOTE: bucket layout
     all-gather: each member's padded shard is copied once, in bucket order, into this rank's
@@ -26,14 +28,19 @@ NOTE: bucket layout
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 
 from torch import fx
-from torch._inductor.fx_passes.bucketing import merge_all_gather_bucket, merge_reduce_scatter_bucket
+import torch
+from torch._inductor.fx_passes.bucketing import _ALL_DTYPES, _compute_foreach_groups, pick_bucket_dtype
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from fsdp_compile.fx_utils import finish
+from fsdp_compile.fx_utils import call, finish
 from fsdp_compile.patterns import (
+    ALL_GATHER_OUT,
+    REDUCE_SCATTER,
+    WAIT,
     bucket_index,
     collective_facts,
     is_all_gather,
@@ -72,13 +79,94 @@ def _hoist_inputs(gm: fx.GraphModule, gathers: list[fx.Node]) -> None:
         first.prepend(node)
 
 
-def _tag(nodes: list[fx.Node], outputs: dict[fx.Node, fx.Node], index: int, param_ids: dict) -> None:
+aten = torch.ops.aten
+CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+
+
+def _folded_cast(gather: fx.Node) -> fx.Node | None:
+    """The cast feeding only this gather: the bucket's copy-in converts instead."""
+    source = gather.args[0]
+    return source if source.op == "call_function" and source.target in CASTS and len(source.users) == 1 else None
+
+
+def _reshape(graph: fx.Graph, node: fx.Node, shape: list[int]) -> fx.Node:
+    """``reshape`` as tracing records it: a view where the layout allows one, else a copy
+    (``clone``, then ``_unsafe_view``), so the passes that follow views see which it is."""
+    if node.meta["val"].is_contiguous():
+        return call(graph, aten.view.default, node, shape)
+    copied = call(graph, aten.clone.default, node, memory_format=torch.contiguous_format)
+    return call(graph, aten._unsafe_view.default, copied, shape)
+
+
+def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """One ``all_gather_into_tensor_out`` for ``gathers`` (see NOTE: bucket layout), inserted
+    before the first; returns the new nodes and each member's unpacked full tensor."""
+    _, world, group_name = gathers[0].args
+    ins = [g.args[0].args[0] if _folded_cast(g) else g.args[0] for g in gathers]
+    out_dtypes = [g.meta["val"].dtype for g in gathers]
+    dtype = pick_bucket_dtype(out_dtypes)
+    vals = [n.meta["val"] for n in ins]
+    sizes = [v.numel() * d.itemsize // dtype.itemsize for v, d in zip(vals, out_dtypes)]
+    rank = torch.distributed.get_rank(torch.distributed.distributed_c10d._resolve_process_group(group_name))
+    before = set(graph.nodes)
+    with graph.inserting_before(gathers[0]):
+        buffer = call(
+            graph, torch.ops.bucketing._pre_bucket_all_gather.default, ins, world, dtype,
+            [_ALL_DTYPES.index(d) for d in out_dtypes], rank, _compute_foreach_groups(vals, out_dtypes),
+        )
+        mine = call(graph, aten.narrow.default, buffer, 0, sum(sizes) * rank, sum(sizes))
+        gathered = call(graph, ALL_GATHER_OUT, mine, world, group_name, out=buffer)
+        waited = call(graph, WAIT, gathered)
+        rows = _reshape(graph, waited, [world, -1])
+        pieces = call(graph, aten.split_with_sizes.default, rows, sizes, 1)
+        outputs = []
+        for i, (val, out_dtype) in enumerate(zip(vals, out_dtypes)):
+            piece = call(graph, operator.getitem, pieces, i)
+            if out_dtype != dtype:
+                piece = call(graph, aten.view.dtype, piece, out_dtype)
+            outputs.append(_reshape(graph, piece, [val.shape[0] * world, *val.shape[1:]]))
+    return [n for n in graph.nodes if n not in before], outputs
+
+
+def _merge_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """One ``reduce_scatter_tensor`` for ``scatters`` (see NOTE: bucket layout), inserted after
+    the last; returns the new nodes and each member's reduced rows."""
+    _, op, world, group_name = scatters[0].args
+    vals = [n.args[0].meta["val"] for n in scatters]
+    before = set(graph.nodes)
+    with graph.inserting_after(scatters[-1]):
+        columns = [_reshape(graph, n.args[0], [world, -1]) for n in scatters]
+        packed = call(graph, aten.cat.default, columns, 1)
+        flat = _reshape(graph, packed, [-1])
+        reduced = call(graph, WAIT, call(graph, REDUCE_SCATTER, flat, op, world, group_name))
+        pieces = call(graph, aten.split_with_sizes.default, reduced, [v.numel() // world for v in vals])
+        outputs = [
+            _reshape(graph, call(graph, operator.getitem, pieces, i), [v.shape[0] // world, *v.shape[1:]])
+            for i, v in enumerate(vals)
+        ]
+    return [n for n in graph.nodes if n not in before], outputs
+
+
+def _replace(graph: fx.Graph, members: list[fx.Node], outputs: list[fx.Node]) -> None:
+    """Members' results now come from the bucket: drop each member, its wait and its folded
+    cast (nodes this backend made)."""
+    for member, output in zip(members, outputs):
+        (wait,) = member.users
+        wait.replace_all_uses_with(output)
+        cast = _folded_cast(member)
+        graph.erase_node(wait)
+        graph.erase_node(member)
+        if cast is not None and not cast.users:
+            graph.erase_node(cast)
+
+
+def _tag(nodes: list[fx.Node], outputs: list[fx.Node], index: int, param_ids: list[int]) -> None:
     for node in nodes:
         node.meta["mfsdp_bucket"] = index
         if is_collective(node):
-            node.meta["mfsdp_members"] = tuple(param_ids.values())
-    for old_wait, new_output in outputs.items():
-        new_output.meta["mfsdp_unpacked"] = param_ids[old_wait]
+            node.meta["mfsdp_members"] = tuple(param_ids)
+    for output, param_id in zip(outputs, param_ids):
+        output.meta["mfsdp_unpacked"] = param_id
 
 
 def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -96,14 +184,13 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             collective.meta["mfsdp_bucket"] = wait.meta["mfsdp_bucket"] = index
             collective.meta["mfsdp_members"] = (collective.meta["mfsdp_param_id"],)
             continue
-        param_ids = {next(iter(n.users)): n.meta["mfsdp_param_id"] for n in nodes}
+        param_ids = [n.meta["mfsdp_param_id"] for n in nodes]
         if kind == "all_gather":
             _hoist_inputs(gm, nodes)
-            new_nodes, outputs = merge_all_gather_bucket(
-                gm.graph, nodes, mode="custom_ops", insert_before=nodes[0]
-            )
+            new_nodes, outputs = _merge_gathers(gm.graph, nodes)
         else:
-            new_nodes, outputs = merge_reduce_scatter_bucket(gm.graph, nodes, mode="default")
+            new_nodes, outputs = _merge_scatters(gm.graph, nodes)
+        _replace(gm.graph, nodes, outputs)
         _tag(new_nodes, outputs, index, param_ids)
     # A merged reduce-scatter stands after its last member: earlier members' tails move after it.
     stable_topological_sort(gm.graph)

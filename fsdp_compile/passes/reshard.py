@@ -84,7 +84,7 @@ def saved_gathered_params(forward: fx.GraphModule) -> list[int]:
     (output,) = (n for n in forward.graph.nodes if n.op == "output")
     saved = set()
     for node in output.all_input_nodes:
-        while is_view(node):
+        while gathered_param_id(node) is None and is_view(node):
             node = node.all_input_nodes[0]
         if gathered_param_id(node) is not None:
             saved.add(gathered_param_id(node))

@@ -246,7 +246,10 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for group in scatters:
         issue_slot[group] = _earliest(group.issue, rest_index)
     for i, group in enumerate(scatters):
-        wait_slot[group] = issue_slot[scatters[i + 1]] if i + 1 < len(scatters) else end
+        after_next = issue_slot[scatters[i + 1]] if i + 1 < len(scatters) else end
+        # Never after a node that reads the reduced gradient and stays put (a view that also
+        # reads symbolic sizes, under dynamic shapes, does not move with the wait).
+        wait_slot[group] = min(after_next, _first_use(group, rest_index, end))
 
     before: list[list[fx.Node]] = [[] for _ in rest]
     ordered = sorted(gathers, key=issue_slot.get) + scatters  # gathers first: on the critical path
