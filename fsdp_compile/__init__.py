@@ -13,16 +13,12 @@ from fsdp_compile.api import (
 )
 from fsdp_compile.capture import CapturedStep, capture_step
 from fsdp_compile.clip import clip_grad_norm_
-from fsdp_compile.backend import CompiledGraph, MfsdpBackend, _register, mfsdp_backend
+from fsdp_compile.backend import CompiledGraph, MfsdpBackend, mfsdp_backend, register
 from fsdp_compile.errors import UsageError
 from fsdp_compile.expert_parallel import expert_mesh
-from fsdp_compile.optim_guard import install as install_optimizer_guard
 from fsdp_compile.explain import Explanation, explain
 from fsdp_compile.schedule import Hardware
 from fsdp_compile.plan import BackendOptions, Plan
-
-_register()
-install_optimizer_guard()
 
 __all__ = [
     "fully_shard",
@@ -33,6 +29,7 @@ __all__ = [
     "expert_mesh",
     "clip_grad_norm_",
     "mfsdp_backend",
+    "register",
     "capture_step",
     "CapturedStep",
     "MfsdpBackend",

@@ -33,6 +33,7 @@ from fsdp_compile.expert_parallel import (
     expert_modules,
 )
 from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES, Strategy, unshard
+from fsdp_compile.optim_guard import install as install_optimizer_guard
 
 __all__ = [
     "fully_shard",
@@ -239,21 +240,16 @@ _accumulators: dict[int, torch.Tensor] = {}
 _pending: dict[int, torch.Tensor] = {}
 
 
-def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
-    param = self._parameters[name]
-    # isinstance and shape only: Dynamo traces this getter, and both are cheap guards for it.
-    if not isinstance(param, DTensor) or tuple(param.shape) != info.dtensor_shape:
-        raise UsageError(
-            f"{type(self).__name__}.{name} was replaced after fully_shard (now "
-            f"{type(param).__name__} of shape {tuple(param.shape)}); sharding happens once. "
-            "Change the model before calling fully_shard, or copy new values into the shard "
-            "(param.to_local().copy_(...))."
-        )
+def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
+    """``param`` (its sharding record ``info``) gathered for use: the ``unshard`` marker, which
+    is a real collective when run eagerly and one graph node when traced."""
     try:
+        # Read the accumulation state only when there is some: a read of a global dict is a
+        # guard, and a pop a side effect Dynamo records, for every parameter of every layer.
         return unshard(
             param.to_local(),
-            _accumulators.get(info.param_id),
-            _pending.pop(info.param_id, None),
+            _accumulators.get(info.param_id) if _accumulators else None,
+            _pending.pop(info.param_id, None) if _pending else None,
             info.param_id,
             info.global_shape[0],
             info.group_name,
@@ -266,7 +262,30 @@ def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to
         # nn.Module.__getattr__, which would silently hand the *shard* to the caller.
-        raise RuntimeError(f"gathering {type(self).__name__}.{name} failed: {error}") from error
+        raise RuntimeError(f"gathering parameter {info.fqn} failed: {error}") from error
+
+
+def _gathered(self: nn.Module, name: str) -> torch.Tensor:
+    """What reading a sharded attribute returns: the gathered parameter.
+
+    A plain tensor (not an ``nn.Parameter``) in ``_parameters`` is returned as it is: a
+    repeated block's body finds there the weights its wrapper gathered (see NOTE: one body
+    per repeated block, in fsdp_compile/regions.py), and ``torch.func.functional_call`` its
+    substitutes.
+    """
+    param = self._parameters[name]
+    if not isinstance(param, nn.Parameter) and isinstance(param, torch.Tensor):
+        return param
+    info = shard_info(param)
+    # isinstance and shape only: Dynamo traces this getter, and both are cheap guards for it.
+    if info is None or not isinstance(param, DTensor) or tuple(param.shape) != info.dtensor_shape:
+        raise UsageError(
+            f"{type(self).__name__}.{name} was replaced after fully_shard (now "
+            f"{type(param).__name__} of shape {tuple(param.shape)}); sharding happens once. "
+            "Change the model before calling fully_shard, or copy new values into the shard "
+            "(param.to_local().copy_(...))."
+        )
+    return gather(param, info)
 
 
 # Inside a compiled frame Dynamo inlines the getter, and the marker's sizes are constants of
@@ -274,20 +293,18 @@ def _gathered(self: nn.Module, name: str, info: ShardInfo) -> torch.Tensor:
 # too: compiled as a frame of its own, its int arguments would turn symbolic after the second
 # parameter and the marker would lose its static sizes.
 torch._dynamo.eval_frame.skip_code(_gathered.__code__)
-
-
-def _gathered_property(name: str, info: ShardInfo) -> property:
-    return property(functools.partial(_gathered, name=name, info=info))
+torch._dynamo.eval_frame.skip_code(gather.__code__)
 
 
 def _reattach_shard_info(self: nn.Module, fn, recurse: bool = True):
     """``nn.Module._apply`` (``to_empty``, ``.to``, ``.cuda``, ``.float``) may wrap converted
     tensors in new Parameter objects; give them back their sharding record."""
+    records = {name: shard_info(p) for name, p in self._parameters.items() if shard_info(p) is not None}
     result = self._mfsdp_base._apply(self, fn, recurse)
-    for name, prop in self._mfsdp_props.items():
+    for name, info in records.items():
         param = self._parameters[name]
         if param is not None and shard_info(param) is None:
-            param._mfsdp = prop.fget.keywords["info"]
+            param._mfsdp = info
     return result
 
 
@@ -330,19 +347,28 @@ def _set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) -
 _set_requires_gradient_sync.__doc__ = set_requires_gradient_sync.__doc__
 
 
-def _install_properties(module: nn.Module, props: dict[str, property]) -> None:
-    """Swap ``module``'s class for a subclass whose ``props`` read parameters gathered."""
+# One generated class per (base class, sharded names): the properties read each instance's own
+# parameters, so every block of a repeated class shares its classes, which lets a compiled
+# body serve them all (see fsdp_compile/regions.py). Classes only: no instance state here.
+_SHARDED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
+
+
+def _install_properties(module: nn.Module, names: set[str]) -> None:
+    """Swap ``module``'s class for a subclass whose attributes ``names`` read parameters
+    gathered."""
     cls = module.__class__
     base = getattr(cls, "_mfsdp_base", cls)
-    props = {**getattr(cls, "_mfsdp_props", {}), **props}
-    namespace = {
-        **props,
-        "_mfsdp_base": base,
-        "_mfsdp_props": props,
-        "_apply": _reattach_shard_info,
-        "set_requires_gradient_sync": _set_requires_gradient_sync,
-    }
-    module.__class__ = type(f"Sharded{base.__name__}", (base,), namespace)
+    names = frozenset(getattr(cls, "_mfsdp_names", frozenset()) | names)
+    if (base, names) not in _SHARDED_CLASSES:
+        namespace = {
+            **{name: property(functools.partial(_gathered, name=name)) for name in names},
+            "_mfsdp_base": base,
+            "_mfsdp_names": names,
+            "_apply": _reattach_shard_info,
+            "set_requires_gradient_sync": _set_requires_gradient_sync,
+        }
+        _SHARDED_CLASSES[base, names] = type(f"Sharded{base.__name__}", (base,), namespace)
+    module.__class__ = _SHARDED_CLASSES[base, names]
 
 
 def _check_strategy(
@@ -397,16 +423,10 @@ def _reshard_wrapped_units(module: nn.Module) -> None:
         if unit_module is module or not getattr(unit_module, "_mfsdp_reshard_default", False):
             continue
         unit_module._mfsdp_reshard_default = False
-        for owner in unit_module.modules():
-            props = {}
-            for name, prop in getattr(type(owner), "_mfsdp_props", {}).items():
-                info = prop.fget.keywords["info"]
-                if info.unit == unit_module._mfsdp_unit and not info.reshard_after_forward:
-                    info = dataclasses.replace(info, reshard_after_forward=True)
-                    owner._parameters[name]._mfsdp = info
-                    props[name] = _gathered_property(name, info)
-            if props:
-                _install_properties(owner, props)
+        for param in unit_module.parameters():
+            info = shard_info(param)
+            if info is not None and info.unit == unit_module._mfsdp_unit and not info.reshard_after_forward:
+                param._mfsdp = dataclasses.replace(info, reshard_after_forward=True)
 
 
 def _placements(strategy: str, mesh: DeviceMesh) -> list:
@@ -454,6 +474,7 @@ def fully_shard(
     """
     _check_module(module, mesh)
     reshard_after_forward = _check_strategy(strategy, reshard_after_forward, mesh)
+    install_optimizer_guard()
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise UsageError(
             f"mp_policy must be fsdp_compile.MixedPrecision, got {type(mp_policy).__name__}."
@@ -500,16 +521,18 @@ def fully_shard(
         sharded[key] = _shard(param, mesh, placements, info)
 
     for submodule in module.modules():
-        props = {}
+        names = set()
         for name, param in list(submodule._parameters.items()):
             if param is not None and id(param) in sharded:
-                new_param = sharded[id(param)]
-                submodule._parameters[name] = new_param
-                props[name] = _gathered_property(name, new_param._mfsdp)
-        if props or submodule is module:
+                submodule._parameters[name] = sharded[id(param)]
+                names.add(name)
+        if names or submodule is module:
             # The unit's own module gets the class too, for set_requires_gradient_sync.
-            _install_properties(submodule, props)
+            _install_properties(submodule, names)
     _reshard_wrapped_units(module)
+    from fsdp_compile.regions import install_regions  # regions build on this module
+
+    install_regions(module)
     module._mfsdp_unit = unit
     module._mfsdp_reshard_default = reshard_after_forward is None and strategy == "optim_grads_params"
     return module

@@ -11,6 +11,8 @@ Layout (also written as README.md into every graph folder)::
         passes/00_dynamo.py           Dynamo's graph; each node under a "# File: ..." comment
                                       naming the user source line it came from
         passes/NN_<pass>.py           the graph after each pass, stage inputs in between
+        passes/NN_body<i>_forward.py  each repeated block's body, partitioned once for every
+        passes/NN_body<i>_backward.py layer (fsdp_compile/regions.py)
         passes/NN_forward.py          the partitioned forward graph as compiled
         passes/NN_backward.py         the partitioned backward graph as compiled
         plan.json                     the Plan: every parameter, owner, group, dtypes, bytes
@@ -117,12 +119,12 @@ def draw_timeline(timelines) -> bytes:
     """PNG bytes: per graph, a compute lane and a communication lane on a shared time axis."""
     import io
 
-    import matplotlib
+    # A Figure of its own, not pyplot: pyplot's global state (and the user's backend) stay
+    # untouched, and nothing needs closing.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 1.8 * len(timelines) + 0.6), squeeze=False)
+    fig = Figure(figsize=(12, 1.8 * len(timelines) + 0.6))
+    axes = fig.subplots(len(timelines), 1, squeeze=False)
     for ax, timeline in zip(axes[:, 0], timelines):
         lanes = {"compute": 1, "comm": 0}
         colors = {"compute": "#4c72b0", "comm": "#dd8452"}
@@ -141,7 +143,6 @@ def draw_timeline(timelines) -> bytes:
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
     return buffer.getvalue()
 
 

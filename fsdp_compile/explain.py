@@ -93,7 +93,7 @@ def explain(
     for graph in backend.graphs:
         buckets += len(graph.plan.buckets)
         params.update({p.param_id: p for p in graph.plan.params})
-        if graph.partitioner.partitioned is None:
+        if "backward" not in graph.compiled:
             continue  # a graph without gradients (inference): no backward to count
         for role, gm in (("forward", graph.forward), ("backward", graph.backward)):
             for kind, count in count_collectives(gm.graph).items():

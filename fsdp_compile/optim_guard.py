@@ -32,7 +32,8 @@ def _check_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 
 def install() -> None:
-    """Register the check once per process (called on ``import fsdp_compile``)."""
+    """Register the check once per process (by the first ``fully_shard``: importing the
+    package changes nothing outside it)."""
     if not getattr(install, "done", False):
         register_optimizer_step_pre_hook(_check_params)
         install.done = True

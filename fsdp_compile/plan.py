@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -41,6 +41,9 @@ class BackendOptions:
     """Buckets whose all-gather is issued before the current bucket's compute starts; 0: none."""
     max_inflight_bytes: int | None = None
     """Bound on gathered bytes alive at once; prefetch is shortened to keep under it. None: no bound."""
+    regional: bool = True
+    """Compile each repeated block's body once (fsdp_compile/regions.py); False: inline every
+    body and compile the whole graph (slower to compile, may fuse across blocks)."""
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -75,10 +78,9 @@ class BackendOptions:
 
 
 def _check_schedule_options(options: dict) -> None:
-    if not isinstance(options.get("bucketing", True), bool):
-        raise CompileUsageError(
-            f"options['bucketing'] must be True or False, got {options['bucketing']!r}."
-        )
+    for flag in ("bucketing", "regional"):
+        if not isinstance(options.get(flag, True), bool):
+            raise CompileUsageError(f"options[{flag!r}] must be True or False, got {options[flag]!r}.")
     checks = {
         "bucket_mb": (lambda v: v is None or (_is_number(v) and v > 0), "a positive number of MiB or None"),
         "prefetch": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
@@ -189,6 +191,13 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+    def cache_key(self) -> str:
+        """What of the plan decides the compiled code: everything but where dumps go, and but
+        the rank where the code does not depend on it (only ``optim`` takes this rank's rows
+        of the reduced gradient), so that ranks holding alike shards share one key."""
+        params = tuple(p if p.strategy == "optim" else replace(p, rank=0) for p in self.params)
+        return repr(replace(self, options=replace(self.options, debug_dir=None), params=params))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

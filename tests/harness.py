@@ -223,14 +223,17 @@ def with_meshes(shard_options: dict) -> dict:
     return options
 
 
-def parity_run(rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_norm=None, **shard_options):
+def parity_run(
+    rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_norm=None, backend_options=None, **shard_options
+):
     """Train once per mode (``none`` = uncompiled markers, else the mfsdp compiler by name) and
     return each mode's loss and parameter errors against the unsharded reference.
 
     ``shard_options`` go to ``fully_shard`` (strategy, reshard_after_forward, ...);
     ``mesh_shape`` builds the mesh in the rank (e.g. ``(2, 2)`` for HSDP), ``ep_size`` the
     expert mesh (``fsdp_compile.expert_mesh``); ``max_norm`` clips every step
-    (``fsdp_compile.clip_grad_norm_`` here, torch's in the reference).
+    (``fsdp_compile.clip_grad_norm_`` here, torch's in the reference); ``backend_options`` go to
+    the compiled modes' backend.
     """
     from fsdp_compile import MfsdpBackend, clip_grad_norm_, fully_shard
 
@@ -240,7 +243,8 @@ def parity_run(rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_no
         torch._dynamo.reset()
         meshes = with_meshes({**shard_options, "mesh_shape": mesh_shape, "ep_size": ep_size})
         model = fully_shard(build_model(cfg), **meshes)
-        forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
+        backend = None if mode == "none" else MfsdpBackend(compiler=mode, **(backend_options or {}))
+        forward = model if backend is None else torch.compile(model, backend=backend)
         clip = dict(max_norm=max_norm, clip_grad_norm=clip_grad_norm_)
         losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank), **clip))
         params = full_parameters(model)

@@ -41,12 +41,15 @@ def test_dump_folder_holds_every_promised_file(tmp_path):
     assert passes == [
         "00_dynamo.py",
         "01_dedupe_unshards.py",
-        "02_joint.py",
-        "03_constant_opaque_outputs.py",
-        "04_lower_collectives.py",
-        "05_reshard.py",
-        "06_forward.py",
-        "07_backward.py",
+        "02_body0_forward.py",  # the repeated block's body, partitioned once for all layers
+        "03_body0_backward.py",
+        "04_joint.py",
+        "05_constant_opaque_outputs.py",
+        "06_lower_collectives.py",
+        "07_reroute_region_saves.py",
+        "08_reshard.py",
+        "09_forward.py",
+        "10_backward.py",
     ]
     readme = (folder / "README.md").read_text()
     assert all(f in readme for f in ("plan.json", "schedule.json", "timeline.png", "frames/"))
