@@ -24,6 +24,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
+from fsdp_compile.compat import compile_caches_work
 from fsdp_compile.debug import GraphDumper, debug_dir, dump_frames
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan, build_plan
@@ -37,7 +38,8 @@ _COMPILED_CODE_SOURCES = tuple(
     sorted(
         str(p)
         for p in [*(_PACKAGE / "passes").glob("*.py"), *(_PACKAGE / f for f in (
-            "backend.py", "buckets.py", "fx_utils.py", "ops.py", "patterns.py", "pipeline.py", "plan.py",
+            "backend.py", "buckets.py", "compat.py", "fx_utils.py", "ops.py", "patterns.py", "pipeline.py",
+            "plan.py",
         ))]
     )
 )
@@ -113,7 +115,7 @@ class CompiledGraph:
             raise LookupError(
                 f"graph {self.plan.graph_name} has no compiled {role} graph yet: it is compiled "
                 "at the first call (a backward at the first backward), and not at all when it "
-                "came from the compile cache."
+                "came from the compile cache (options={'compile_cache': False} compiles afresh)."
             )
         return self.compiled[role]
 
@@ -147,12 +149,18 @@ class CompiledGraph:
             )(self.dynamo, self._example_inputs)
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        # NOTE: no compile cache. torch 2.13 hands back, from its FX graph cache and its
-        # AOTAutograd cache, compiled graphs whose DTensor gradients have lost their
-        # DeviceMesh: the backward fails ("found no DeviceMesh from dtensor args for
-        # aten::detach"; tests/test_compile_cache.py holds the bypass). Until then every process
-        # compiles afresh, as it did while the cache key changed from process to process.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        # NOTE: compile caches. A restart loads the compiled forward, backward and bodies
+        # from AOTAutograd's and Inductor's caches: our partitioner's uuid keys them (the
+        # files that decide the compiled code, and the plan, rank included); on a hit neither
+        # the partitioner nor the partitioned-stage passes run, so `compiled` stays empty.
+        # Dumps and inspection need every stage, hence no cache with a debug_dir or
+        # compile_cache=False. torch 2.13 keys a graph of DTensors per process and loads it
+        # without its opaque constants (the gradients' DeviceMesh): compat.py fixes both.
+        cached = self.plan.options.compile_cache and self.dumper is None
+        with (
+            torch._functorch.config.patch(enable_autograd_cache=cached),
+            compile_caches_work(),
+        ):
             return compile_fx(
                 self.dynamo,
                 self._example_inputs,
@@ -163,7 +171,7 @@ class CompiledGraph:
                     # wait and undo the planned prefetch; schedule_collectives bounds memory
                     # instead (see docs/design.md, "The order under Inductor").
                     "reorder_for_peak_memory": False,
-                    "fx_graph_cache": False,
+                    "fx_graph_cache": cached,
                 },
             )
 
@@ -200,7 +208,9 @@ class CompiledGraph:
             if self.dumper is not None:
                 self.dumper.compiled(graph_role, gm)
             start = time.perf_counter()
-            compiled = compile_graph(gm, example_inputs, **kwargs)
+            # A backward is compiled (or loaded) at the first backward, after compile() returned.
+            with compile_caches_work():
+                compiled = compile_graph(gm, example_inputs, **kwargs)
             self.seconds["compiler"] += time.perf_counter() - start
             return compiled
 

@@ -44,6 +44,10 @@ class BackendOptions:
     regional: bool = True
     """Compile each repeated block's body once (fsdp_compile/regions.py); False: inline every
     body and compile the whole graph (slower to compile, may fuse across blocks)."""
+    compile_cache: bool = True
+    """Read and write torch's AOTAutograd and Inductor caches (a restart loads the compiled
+    graphs instead of compiling them); False, or a ``debug_dir``: compile afresh, so every
+    stage's graph exists to be dumped and inspected."""
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -78,7 +82,7 @@ class BackendOptions:
 
 
 def _check_schedule_options(options: dict) -> None:
-    for flag in ("bucketing", "regional"):
+    for flag in ("bucketing", "regional", "compile_cache"):
         if not isinstance(options.get(flag, True), bool):
             raise CompileUsageError(f"options[{flag!r}] must be True or False, got {options[flag]!r}.")
     checks = {
@@ -193,11 +197,11 @@ class Plan:
         return json.dumps(asdict(self), indent=2)
 
     def cache_key(self) -> str:
-        """What of the plan decides the compiled code: everything but where dumps go, and but
-        the rank where the code does not depend on it (only ``optim`` takes this rank's rows
-        of the reduced gradient), so that ranks holding alike shards share one key."""
-        params = tuple(p if p.strategy == "optim" else replace(p, rank=0) for p in self.params)
-        return repr(replace(self, options=replace(self.options, debug_dir=None), params=params))
+        """What of the plan decides the compiled code: everything but where dumps go. The rank
+        stays in: the compiled backward returns this rank's ``DeviceMesh`` (its coordinates
+        included) as a constant for the DTensor gradients, so one rank must never load
+        another's graphs, however alike their shards."""
+        return repr(replace(self, options=replace(self.options, debug_dir=None)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -1,12 +1,12 @@
-"""The compile cache: a stable key, and no cached graph that breaks the step.
+"""The compile cache: a restart loads its compiled graphs, and they compute the same step.
 
-torch 2.13's FX graph cache and AOTAutograd cache, once the key is the same in two processes,
-hand the second one compiled graphs whose DTensor gradients lost their DeviceMesh: its
-backward fails ("found no DeviceMesh from dtensor args for aten::detach", seen with a
-two-layer MLP at world 2). So the backend turns both off for its graphs (see NOTE: no compile
-cache, in fsdp_compile/backend.py), and these tests hold that a restart trains, and that the
-key itself is ready for the day the caches can be used: the same in every process and rank,
-different when the plan differs.
+A second process compiling the same model on the same machine (the same cache folder) reads
+the compiled forward, backward and repeated-block bodies from AOTAutograd's and Inductor's
+caches: the partitioner's key is stable across processes and differs per rank and per plan.
+torch 2.13 keys a graph with DeviceMesh inputs differently in every process and loads a
+cached graph without its opaque constants (the gradients' DeviceMesh); ``fsdp_compile.compat``
+works around both, which these tests hold: restarts used to miss, and a hit used to fail in
+backward ("found no DeviceMesh from dtensor args for aten::detach").
 """
 
 from __future__ import annotations
@@ -22,28 +22,74 @@ from fsdp_compile.models import TransformerConfig
 from harness import build_model, rank_batches, spawn, train
 
 
-def _compile_and_step(rank, world, *, cache_dir):
-    """One Inductor-compiled step of a small MLP, as a fresh process sees it."""
+def _cache_counters() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
+    both = {**counters["inductor"], **counters["aot_autograd"]}
+    return {k: v for k, v in both.items() if "cache" in k}
+
+
+def _mlp_step(rank, world, *, cache_dir, **options):
+    """One Inductor-compiled step of a small MLP whose shards are uneven (15 rows over 2
+    ranks), as a fresh process sees it: loss, gradients and where each gradient lives."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     torch.manual_seed(0)
-    model = fully_shard(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
-    loss = torch.compile(model, backend=MfsdpBackend(compiler="inductor"))(torch.randn(4, 8)).sum()
+    model = fully_shard(nn.Sequential(nn.Linear(8, 15), nn.ReLU(), nn.Linear(15, 4)))
+    forward = torch.compile(model, backend=MfsdpBackend(compiler="inductor", **options))
+    loss = forward(torch.randn(4, 8)).sum()
     loss.backward()
-    grads = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
-    caches = {k: v for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items() if "cache" in k}
-    return loss.detach(), grads, caches
+    params = list(model.parameters())
+    grads = torch.cat([p.grad.full_tensor().flatten() for p in params])
+    meshes = [
+        (p.grad.device_mesh == p.device_mesh, p.grad.device_mesh.get_coordinate(), p.grad.placements)
+        for p in params
+    ]
+    return loss.detach(), grads, meshes, _cache_counters()
 
 
-def test_a_restart_compiles_again_and_trains(tmp_path):
-    """The second process over the same cache folder computes the same step (it used to
-    fail in backward on the cached graphs) and reads nothing from the caches."""
-    first = spawn(_compile_and_step, 2, cache_dir=str(tmp_path))
-    second = spawn(_compile_and_step, 2, cache_dir=str(tmp_path))
-    for (loss_a, grads_a, _), (loss_b, grads_b, caches) in zip(first, second):
-        assert torch.equal(loss_a, loss_b) and torch.equal(grads_a, grads_b)
-        assert not any(k.endswith("_hit") for k in caches), caches
+def test_a_restart_reads_the_caches_and_computes_the_same_step(tmp_path):
+    """The second process hits both caches and gets the first one's loss and gradients,
+    bit for bit, each gradient a DTensor on this rank's mesh coordinate; with
+    ``compile_cache=False`` a third compiles afresh (no hit) to the same numbers."""
+    cold = spawn(_mlp_step, 2, cache_dir=str(tmp_path))
+    warm = spawn(_mlp_step, 2, cache_dir=str(tmp_path))
+    fresh = spawn(_mlp_step, 2, cache_dir=str(tmp_path), compile_cache=False)
+    for rank in range(2):
+        (loss, grads, meshes, cold_caches), (_, _, _, warm_caches) = cold[rank], warm[rank]
+        assert not any(k.endswith("_hit") for k in cold_caches), cold_caches
+        assert warm_caches.get("autograd_cache_hit", 0) >= 1, warm_caches
+        assert warm_caches.get("fxgraph_cache_hit", 0) >= 2, warm_caches  # forward and backward
+        assert not any(k.endswith("_hit") for k in fresh[rank][3]), fresh[rank][3]
+        for other in (warm[rank], fresh[rank]):
+            assert torch.equal(other[0], loss) and torch.equal(other[1], grads)
+            assert other[2] == meshes
+        assert all(same and coordinate == (rank,) for same, coordinate, _ in meshes), meshes
+
+
+CFG = TransformerConfig(vocab=64, n_heads=4, n_layers=2)
+
+
+def _transformer_run(rank, world, *, cache_dir):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    model = fully_shard(build_model(CFG))
+    losses = train(model, torch.compile(model, backend="mfsdp"), rank_batches(CFG, rank), steps=3)
+    return losses, _cache_counters()
+
+
+def test_repeated_block_bodies_come_from_the_cache_too(tmp_path):
+    """Regional compilation (the default) and the caches compose: the restart trains three
+    steps to the same losses with every graph Inductor compiled (the outer forward and
+    backward, each holding its block body once) loaded, none compiled. The test model's
+    fused linear is an ``autograd.Function``, which AOTAutograd's cache refuses, so this
+    reads Inductor's cache alone (the MLP above reads both)."""
+    cold = spawn(_transformer_run, 2, cache_dir=str(tmp_path))
+    warm = spawn(_transformer_run, 2, cache_dir=str(tmp_path))
+    for (cold_losses, cold_caches), (warm_losses, warm_caches) in zip(cold, warm):
+        assert torch.equal(cold_losses, warm_losses)
+        compiled = cold_caches["fxgraph_cache_miss"]
+        assert compiled >= 2, cold_caches
+        assert warm_caches.get("fxgraph_cache_hit", 0) == compiled, (cold_caches, warm_caches)
+        assert warm_caches.get("fxgraph_cache_miss", 0) == 0, warm_caches
 
 
 def _partitioner_keys(rank, world, *, cfg):
@@ -53,16 +99,13 @@ def _partitioner_keys(rank, world, *, cfg):
     return [_Partitioner(graph).uuid() for graph in backend.graphs]
 
 
-# Every parameter's rows split evenly over 2 ranks: both ranks compile the same code.
-EVEN = TransformerConfig(vocab=64, n_heads=4, n_layers=2)
-
-
-def test_the_partitioners_cache_key_is_the_same_in_every_process_and_rank():
+def test_the_partitioners_cache_key_is_stable_across_processes_and_differs_per_rank_and_plan():
     """Labels are counters a fresh process hands out alike, not addresses (unit names once
-    held id(module)); pass timings are kept off the graphs, which the key hashes; ranks with
-    alike shards share a key; and a different plan (one layer more) gives a different key."""
-    first, second = spawn(_partitioner_keys, 2, cfg=EVEN), spawn(_partitioner_keys, 2, cfg=EVEN)
-    assert first[0] == second[0] and first[1] == second[1]
-    assert first[0] == first[1]
+    held id(module)); pass timings are kept off the graphs, which the key hashes. The rank
+    is part of the key even where shards are alike (the backward returns this rank's mesh),
+    and a different plan (one layer more) gives a different key."""
+    first, second = spawn(_partitioner_keys, 2, cfg=CFG), spawn(_partitioner_keys, 2, cfg=CFG)
+    assert first == second
+    assert first[0] != first[1]
     deeper = spawn(_partitioner_keys, 2, cfg=TransformerConfig(vocab=64, n_heads=4, n_layers=3))[0]
     assert deeper != first[0]

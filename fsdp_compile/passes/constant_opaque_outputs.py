@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 from torch import fx
 from torch._library.fake_class_registry import FakeScriptObject
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.fx_utils import finish
@@ -21,18 +19,6 @@ def _opaque_input(node: object) -> bool:
         and node.op == "placeholder"
         and isinstance(node.meta.get("val"), FakeScriptObject)
     )
-
-
-def _stable(obj: object) -> object:
-    """The object as a graph constant whose pickled form is the same in every process: the
-    compile cache hashes graph attributes by pickling them, and a ``DeviceMesh`` that was
-    ever hashed carries ``hash()`` of a string, which differs per process. A copy, equal to
-    the mesh (``DeviceMesh.__eq__`` compares its layout), with that cached value dropped."""
-    if not isinstance(obj, DeviceMesh):
-        return obj
-    mesh = copy.copy(obj)
-    mesh._hash = None
-    return mesh
 
 
 def constant_opaque_outputs(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -54,7 +40,7 @@ def constant_opaque_outputs(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if not _opaque_input(node):
             continue
         name = f"_mfsdp_opaque_{len(constants)}"
-        setattr(gm, name, _stable(node.meta["val"].real_obj))
+        setattr(gm, name, node.meta["val"].real_obj)
         with gm.graph.inserting_before(output), warnings.catch_warnings():
             # FX warns for attributes that are not modules, parameters or buffers; an opaque
             # object is none of those, and the partitioned graphs copy it like any attribute.

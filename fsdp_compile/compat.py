@@ -1,0 +1,61 @@
+"""Workarounds for the torch releases we support, each scoped to the call that needs it.
+
+Each names the torch behaviour it works around and is a no-op where torch already does the
+right thing, so that a torch fix needs no change here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from torch._inductor import output_code
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@contextlib.contextmanager
+def compile_caches_work() -> Iterator[None]:
+    """Inside, torch 2.13's AOTAutograd and Inductor caches work for graphs of DTensors:
+    a restart finds the entry the first process wrote, and the graph it loads runs.
+
+    - The key is stable. Inductor's FX graph key pickles each ``DeviceMesh`` input whole,
+      the ``_hash`` it caches included: ``hash()`` of a tuple of strings, salted per process,
+      so every process got a different key and never hit. The state pickled here leaves
+      that cached value out (``DeviceMesh.__hash__`` computes it again when it is missing).
+    - The loaded graph has its opaque constants. A fresh compile builds the module with the
+      graph's opaque constants (``get_attr`` of a ``DeviceMesh``, kept in
+      ``CompiledFxGraph.torchbind_constants`` and pickled with the cache entry), but a cache
+      hit hands the module only ``constants`` and ``opaque_value_type_classes``, and the
+      constant read ``None``. Our backward returns each DTensor gradient's ``DeviceMesh``
+      as such a constant (pass ``constant_opaque_outputs``), so the gradient came back
+      without a mesh and the first op on it failed ("found no DeviceMesh from dtensor args
+      for aten::detach"). The constants the entry holds are added under whatever torch
+      already returns.
+
+    Both are patched only while the backend compiles (or loads) a graph, and are no-ops
+    where torch does this itself.
+    """
+    classes = (output_code.CompiledFxGraphConstants, output_code.CompiledFxGraphConstantsWithGm)
+    unwraps = {cls: cls.__dict__["unwrap"] for cls in classes}
+    mesh_getstate = DeviceMesh.__getstate__
+
+    def with_constants(original):
+        def unwrap(self, graph):
+            return {**getattr(graph, "torchbind_constants", {}), **original(self, graph)}
+
+        return unwrap
+
+    def getstate_without_hash(self) -> dict:
+        state = mesh_getstate(self)
+        state.pop("_hash", None)
+        return state
+
+    for cls, original in unwraps.items():
+        cls.unwrap = with_constants(original)
+    DeviceMesh.__getstate__ = getstate_without_hash
+    try:
+        yield
+    finally:
+        for cls, original in unwraps.items():
+            cls.unwrap = original
+        DeviceMesh.__getstate__ = mesh_getstate
