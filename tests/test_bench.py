@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-MODES = ("eager", "fsdp2", "mfsdp")
+MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole")
 
 
 def _run_bench(json_path) -> dict:
@@ -49,6 +49,9 @@ def test_bench_cli_runs_every_mode_with_matching_losses(tmp_path):
     # What the compiled graphs hold is what ran: no eager fallback frame, no recompile.
     for kind in ("all_gather", "reduce_scatter"):
         assert mfsdp["profiled_collectives"][kind] == mfsdp["collectives"][kind], mfsdp
+
+    # One body per block changes how the graph is compiled, not what the step communicates.
+    assert results["mfsdp-whole"]["collectives"] == mfsdp["collectives"]
 
     reference = results["fsdp2"]["loss_step0"]
     for mode, r in results.items():

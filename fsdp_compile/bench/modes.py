@@ -2,8 +2,13 @@
 
 - ``eager``: ``fully_shard(model)`` called directly (our markers run real collectives);
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each block, then on the root;
+- ``fsdp2-compile``: ``fsdp2`` with each block compiled on its own (what torchtitan users run):
+  Inductor, or ``aot_eager`` when mfsdp's compiler is the eager runner, so both modes compile
+  alike;
 - ``mfsdp``: ``torch.compile(fully_shard(model), backend=MfsdpBackend(compiler=...))``, the
   ``backend="mfsdp"`` backend as an object, so its compiled graphs can be counted;
+- ``mfsdp-whole``: ``mfsdp`` with ``regional=False``: every block traced and compiled in the
+  one graph instead of one body per repeated block;
 - ``mfsdp-cudagraph``: ``mfsdp`` with ``cuda_graph=True``, the whole step captured by
   ``capture_step`` (CUDA only).
 
@@ -30,7 +35,7 @@ from fsdp_compile.bench.memory import PeakMemory
 from fsdp_compile.bench.presets import PRESETS
 from fsdp_compile.models import Transformer, make_batch, train_step_fn
 
-MODES = ("eager", "fsdp2", "mfsdp", "mfsdp-cudagraph")
+MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-cudagraph")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,20 +68,28 @@ def _build(mode: str, run: RunConfig, device: torch.device):
     torch.manual_seed(run.seed)
     model = Transformer(PRESETS[run.preset]).to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    if mode == "fsdp2":
+    if mode in ("fsdp2", "fsdp2-compile"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=run.param_dtype, reduce_dtype=torch.float32)
         for block in model.layers:
             fsdp2_fully_shard(block, mesh=mesh, mp_policy=policy)
+            if mode == "fsdp2-compile":
+                block.compile(backend="inductor" if run.compiler == "inductor" else "aot_eager")
         fsdp2_fully_shard(model, mesh=mesh, mp_policy=policy)
         return model, model, None
     policy = MixedPrecision(param_dtype=run.param_dtype, reduce_dtype=torch.float32)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if mode == "eager":
         return model, model, None
-    backend = MfsdpBackend(compiler=run.compiler, cuda_graph=mode == "mfsdp-cudagraph")
+    # compile_cache=False: the census reads the compiled graphs, which a cache hit never builds.
+    backend = MfsdpBackend(
+        compiler=run.compiler,
+        cuda_graph=mode == "mfsdp-cudagraph",
+        regional=mode != "mfsdp-whole",
+        compile_cache=False,
+    )
     return model, torch.compile(model, backend=backend), backend
 
 
