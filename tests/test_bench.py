@@ -6,14 +6,16 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole")
 
 
-def _run_bench(json_path) -> dict:
+def _run_bench(json_path, *, preset="tiny", modes=MODES, where=("--world-size", "2")) -> dict:
     command = [
         sys.executable, "-m", "fsdp_compile.bench",
-        "--preset", "tiny", "--world-size", "2", "--device", "cpu",
-        "--modes", ",".join(MODES), "--compiler", "eager",
+        "--preset", preset, *where, "--device", "cpu",
+        "--modes", ",".join(modes), "--compiler", "eager",
         "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "3",
         "--json", str(json_path), "--timeout-s", "240",
     ]  # fmt: skip
@@ -41,7 +43,12 @@ def test_bench_cli_runs_every_mode_with_matching_losses(tmp_path):
         assert r["median_step_ms"] > 0, (mode, r["step_ms"])
         assert len(r["step_ms"]) == 3, mode
         assert r["collectives"]["all_gather"] > 0 and r["collectives"]["reduce_scatter"] > 0, r
-    assert results["fsdp2"]["speedup_vs_fsdp2"] == 1.0
+    # Ratios are against what users run today, FSDP2 + per-block compile.
+    assert document["baseline"] == "fsdp2-compile"
+    assert results["fsdp2-compile"]["speedup_vs_baseline"] == 1.0
+    for r in results.values():
+        assert r["tokens_per_s"] == 2 * 32 / (r["median_step_ms"] / 1e3)
+        assert r["model_tflops_per_step"] > 0 and r["mfu"] is None  # no peak for a CPU
 
     mfsdp = results["mfsdp"]
     assert mfsdp["collectives"]["counted_by"].startswith("compiled graphs")
@@ -57,3 +64,21 @@ def test_bench_cli_runs_every_mode_with_matching_losses(tmp_path):
     for mode, r in results.items():
         relative = abs(r["loss_step0"] - reference) / abs(reference)
         assert relative < 1e-4, f"{mode} step-0 loss {r['loss_step0']} vs fsdp2 {reference}"
+
+
+def test_hf_preset_as_one_rank_of_a_fake_world(tmp_path):
+    """``--fake-world 4`` runs this process alone as rank 0 of 4 on the fake process group,
+    and an HF Llama built on the meta device is materialised per rank: both FSDP2 + compile
+    and mfsdp train it, with the collectives of a 4-rank job (FSDP2's count: one gather per
+    decoder layer and the root, forward, then the layers again in backward)."""
+    pytest.importorskip("transformers")
+    document = _run_bench(
+        tmp_path / "bench.json", preset="hf-llama-tiny", modes=("fsdp2-compile", "mfsdp"),
+        where=("--fake-world", "4"),
+    )
+    assert document["machine"]["process_group"] == "fake"
+    assert document["machine"]["world_size"] == 4
+    results = {r["mode"]: r for r in document["results"]}
+    assert results["mfsdp"]["collectives"]["all_gather"] == results["fsdp2-compile"]["collectives"]["all_gather"] == 5
+    assert results["mfsdp"]["collectives"]["reduce_scatter"] == 3
+    assert results["mfsdp"]["params_m"] == results["fsdp2-compile"]["params_m"] > 0.5

@@ -1,6 +1,7 @@
 """Benchmarks.
 
-``python -m fsdp_compile.bench`` (console script ``mfsdp-bench``): eager vs FSDP2 vs mfsdp
-(vs mfsdp + CUDA graph on GPUs) on shared presets. ``python -m fsdp_compile.bench.cuda_graph``:
-the GPU-only eager vs compiled vs captured step. Results: docs/performance.md.
+``python -m fsdp_compile.bench`` (console script ``mfsdp-bench``): eager, FSDP2, FSDP2 +
+per-block compile, mfsdp (one body per block or the whole graph) and, on GPUs, mfsdp + one
+CUDA graph, on shared presets (this project's Transformer and HF models), for a real job or
+one rank of a fake one. Results: docs/performance.md.
 """

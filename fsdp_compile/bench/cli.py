@@ -2,10 +2,14 @@
 
     python -m fsdp_compile.bench --preset small --world-size 2            # CPU: spawns gloo ranks
     torchrun --nproc-per-node 8 -m fsdp_compile.bench --preset 1b         # GPUs: nccl
+    python -m fsdp_compile.bench --preset hf-llama-8b --fake-world 8      # one rank of 8
 
 Launched by torchrun (RANK and WORLD_SIZE set) it runs in those ranks; otherwise it spawns
 ``--world-size`` ranks on 127.0.0.1 itself (gloo on CPU, nccl with one GPU each). Rank 0 prints
-a table and one JSON line, and writes the JSON to ``--json``. See docs/performance.md.
+a table and one JSON line, and writes the JSON to ``--json``. With ``--fake-world N`` this
+process is rank 0 of an N-rank job on torch's fake process group: its compute and memory are
+one rank's of that job, its collectives return at once without moving data (so its losses
+mean nothing and are not compared). See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ from fsdp_compile.bench.modes import (
     skip_reason,
 )
 from fsdp_compile.bench.presets import PRESETS
-from fsdp_compile.bench.report import add_ratios, machine_info, print_report, write_json
+from fsdp_compile.bench.report import (
+    add_derived,
+    baseline_mode,
+    machine_info,
+    peak_tflops,
+    print_report,
+    write_json,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +54,8 @@ class BenchConfig:
     """Comma-separated, run in this order; a mode the device cannot run is skipped, and said so."""
     world_size: int = 2
     """Ranks to spawn when not launched by torchrun."""
+    fake_world: int = 0
+    """Run this process alone as rank 0 of this many on the fake process group (0: off)."""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     batch: int = 4
     """Sequences per rank per step."""
@@ -104,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error(f"--seq {bench.seq} exceeds preset {bench.preset}'s max_seq")
     if bench.warmup < 1 or bench.steps < 1 or bench.world_size < 1:
         parser.error("--warmup, --steps and --world-size must be at least 1")
+    if bench.fake_world < 0:
+        parser.error("--fake-world must be a number of ranks, or 0 for a real job")
     return bench
 
 
@@ -112,13 +127,18 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: Be
     device = torch.device(bench.device, local_rank if bench.device == "cuda" else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=bench.timeout_s),
-    )
+    if bench.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=bench.fake_world)
+    else:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=bench.timeout_s),
+        )
     try:
         run, results, skipped = bench.run_config(), [], {}
         for mode in bench.modes.split(","):
@@ -128,16 +148,20 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: Be
                 if rank == 0:
                     print(f"skipping {mode}: {reason}", flush=True)
                 continue
-            results.append(agree_across_ranks(run_mode(mode, run, device), device))
+            result = run_mode(mode, run, device)
+            # The fake group's collectives do not reduce: one real rank agrees with itself.
+            results.append(result if bench.fake_world else agree_across_ranks(result, device))
             # Each mode starts from nothing: no compiled frames, no cached blocks.
             torch._dynamo.reset()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if rank == 0:
-            add_ratios(results)
+            machine = machine_info(device)
+            add_derived(results, peak_tflops(machine, bench.param_dtype))
             document = {
-                "machine": machine_info(device),
+                "machine": machine,
+                "baseline": baseline_mode(results),
                 "config": asdict(bench),
                 "results": results,
                 "skipped": skipped,
@@ -164,9 +188,6 @@ def _free_port() -> int:
 
 def spawn(bench: BenchConfig) -> None:
     """Run ``bench.world_size`` ranks; a failing rank stops all; past the timeout, kill them."""
-    # Kineto writes lines for each start and stop of the profiler (the profiled step) on every
-    # rank at its levels up to 5; level 6 silences them, keeping the progress bars legible.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     world = bench.world_size
     context = mp.start_processes(
         _spawned_rank,
@@ -185,7 +206,12 @@ def spawn(bench: BenchConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     bench = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    # Kineto writes lines for each start and stop of the profiler (the profiled step) on every
+    # rank at its levels up to 5; level 6 silences them, keeping the progress bars legible.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    if bench.fake_world:
+        run_rank(0, bench.fake_world, 0, "", bench)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         bench = replace(bench, world_size=world)  # torchrun's count rules; --world-size is moot
         run_rank(rank, world, int(os.environ.get("LOCAL_RANK", "0")), "env://", bench)

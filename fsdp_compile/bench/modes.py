@@ -1,4 +1,7 @@
-"""One bench mode, built and run: the same model, seed, data and AdamW, sharded four ways.
+"""One bench mode, built and run: the same model, seed, data and AdamW, sharded six ways.
+
+HF presets are built on the meta device, sharded, then materialised (each rank draws its
+own shards, the same in every mode); the others are built whole from the seed first.
 
 - ``eager``: ``fully_shard(model)`` called directly (our markers run real collectives);
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each block, then on the root;
@@ -32,8 +35,8 @@ from tqdm import tqdm
 from fsdp_compile import MfsdpBackend, MixedPrecision, capture_step, fully_shard
 from fsdp_compile.bench.comms import graph_census, profiled_census
 from fsdp_compile.bench.memory import PeakMemory
-from fsdp_compile.bench.presets import PRESETS
-from fsdp_compile.models import Transformer, make_batch, train_step_fn
+from fsdp_compile.bench.presets import PRESETS, HFPreset, blocks, build, materialize, train_flops
+from fsdp_compile.models import make_batch, train_step_fn
 
 MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-cudagraph")
 
@@ -64,39 +67,49 @@ def skip_reason(mode: str, device: torch.device) -> str | None:
 
 
 def _build(mode: str, run: RunConfig, device: torch.device):
-    """(model, forward, backend or None): ``forward`` is what each step calls."""
+    """(model, forward, backend or None): ``forward(tokens)`` gives the logits each step reads."""
     torch.manual_seed(run.seed)
-    model = Transformer(PRESETS[run.preset]).to(device)
+    preset = PRESETS[run.preset]
+    model = build(preset)
+    if not isinstance(preset, HFPreset):
+        model = model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    backend = None
     if mode in ("fsdp2", "fsdp2-compile"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=run.param_dtype, reduce_dtype=torch.float32)
-        for block in model.layers:
+        for block in blocks(model):
             fsdp2_fully_shard(block, mesh=mesh, mp_policy=policy)
             if mode == "fsdp2-compile":
                 block.compile(backend="inductor" if run.compiler == "inductor" else "aot_eager")
         fsdp2_fully_shard(model, mesh=mesh, mp_policy=policy)
-        return model, model, None
-    policy = MixedPrecision(param_dtype=run.param_dtype, reduce_dtype=torch.float32)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    if mode == "eager":
-        return model, model, None
-    # compile_cache=False: the census reads the compiled graphs, which a cache hit never builds.
-    backend = MfsdpBackend(
-        compiler=run.compiler,
-        cuda_graph=mode == "mfsdp-cudagraph",
-        regional=mode != "mfsdp-whole",
-        compile_cache=False,
-    )
-    return model, torch.compile(model, backend=backend), backend
+        forward = model
+    else:
+        policy = MixedPrecision(param_dtype=run.param_dtype, reduce_dtype=torch.float32)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        forward = model
+        if mode != "eager":
+            # compile_cache=False: the census reads the compiled graphs, which a cache hit
+            # never builds.
+            backend = MfsdpBackend(
+                compiler=run.compiler,
+                cuda_graph=mode == "mfsdp-cudagraph",
+                regional=mode != "mfsdp-whole",
+                compile_cache=False,
+            )
+            forward = torch.compile(model, backend=backend)
+    materialize(model, device, run.seed + dist.get_rank())
+    if isinstance(preset, HFPreset):
+        return model, lambda tokens: forward(input_ids=tokens).logits, backend
+    return model, forward, backend
 
 
 def _batches(run: RunConfig, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Warm-up batch, profiled batch, then one per timed step; this rank's share of each."""
-    cfg, rank = PRESETS[run.preset], dist.get_rank()
-    made = (make_batch(cfg, run.batch, run.seq, step, rank) for step in range(run.steps + 2))
+    preset, rank = PRESETS[run.preset], dist.get_rank()
+    made = (make_batch(preset, run.batch, run.seq, step, rank) for step in range(run.steps + 2))
     return [(tokens.to(device), targets.to(device)) for tokens, targets in made]
 
 
@@ -147,6 +160,8 @@ def run_mode(mode: str, run: RunConfig, device: torch.device) -> dict:
         "loss_step0": float(first_loss),
         "final_loss": float(loss),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "tokens_per_step": run.batch * run.seq,
+        "model_tflops_per_step": train_flops(PRESETS[run.preset], run.batch, run.seq) / 1e12,
         "profiled_collectives": profiled_census(prof),
     }
     result["collectives"] = (

@@ -1,4 +1,5 @@
-"""What a bench run prints and writes: the machine, a table, ratios against FSDP2, JSON."""
+"""What a bench run prints and writes: the machine, a table, ratios against what users run
+today (FSDP2 + per-block compile, or FSDP2 when the run has no such mode), JSON."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-_BASELINE = "fsdp2"
+_BASELINES = ("fsdp2-compile", "fsdp2")
 
 
 def cpu_model() -> str:
@@ -36,13 +37,36 @@ def machine_info(device: torch.device) -> dict:
     }
 
 
-def add_ratios(results: list[dict]) -> None:
-    """``speedup_vs_fsdp2`` = fsdp2 median / this median; ``memory_vs_fsdp2`` = peak / fsdp2's."""
-    base = next((r for r in results if r["mode"] == _BASELINE), None)
+# Dense bf16 tensor-core peaks (TFLOP/s, datasheet, without sparsity), for MFU.
+_PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "A100": 312.0}
+
+
+def peak_tflops(machine: dict, param_dtype: str) -> float | None:
+    """The device's peak for the run's compute dtype; None on CPUs, unknown GPUs, fp32."""
+    gpu = machine["gpu"] or ""
+    if param_dtype != "bfloat16":
+        return None
+    return next((peak for name, peak in _PEAK_BF16_TFLOPS.items() if name in gpu), None)
+
+
+def baseline_mode(results: list[dict]) -> str | None:
+    """What users run today: FSDP2 + per-block compile when the run has it, else FSDP2."""
+    modes = [r["mode"] for r in results]
+    return next((m for m in _BASELINES if m in modes), None)
+
+
+def add_derived(results: list[dict], peak: float | None) -> None:
+    """Per result: tokens/s per rank and MFU from the median step; speed-up = baseline median
+    / this median and memory = this peak / baseline's, against ``baseline_mode``."""
+    name = baseline_mode(results)
+    base = next((r for r in results if r["mode"] == name), None)
     for r in results:
-        r["speedup_vs_fsdp2"] = base and base["median_step_ms"] / r["median_step_ms"]
+        seconds = r["median_step_ms"] / 1e3
+        r["tokens_per_s"] = r["tokens_per_step"] / seconds
+        r["mfu"] = r["model_tflops_per_step"] / seconds / peak if peak else None
+        r["speedup_vs_baseline"] = base and base["median_step_ms"] / r["median_step_ms"]
         both = base and base["peak_memory_mib"] and r["peak_memory_mib"] is not None
-        r["memory_vs_fsdp2"] = r["peak_memory_mib"] / base["peak_memory_mib"] if both else None
+        r["memory_vs_baseline"] = r["peak_memory_mib"] / base["peak_memory_mib"] if both else None
 
 
 def _fmt(value, spec: str) -> str:
@@ -60,9 +84,11 @@ def _mib_per_step(census: dict) -> float | None:
 _COLUMNS = (
     ("mode", "<16"),
     ("median ms", ">10"),
-    ("vs fsdp2", ">9"),
+    ("speed-up", ">9"),
+    ("tok/s/rank", ">11"),
+    ("MFU", ">6"),
     ("peak MiB", ">9"),
-    ("mem/fsdp2", ">10"),
+    ("mem ratio", ">10"),
     ("AG/step", ">8"),
     ("RS/step", ">8"),
     ("AR/step", ">8"),
@@ -78,9 +104,11 @@ def _row(r: dict) -> tuple:
     return (
         r["mode"],
         _fmt(r["median_step_ms"], ".2f"),
-        _fmt(r["speedup_vs_fsdp2"], ".2f") + ("x" if r["speedup_vs_fsdp2"] else ""),
+        _fmt(r["speedup_vs_baseline"], ".2f") + ("x" if r["speedup_vs_baseline"] else ""),
+        _fmt(r["tokens_per_s"], ".0f"),
+        _fmt(r["mfu"], ".1%"),
         _fmt(r["peak_memory_mib"], ".1f"),
-        _fmt(r["memory_vs_fsdp2"], ".2f"),
+        _fmt(r["memory_vs_baseline"], ".2f"),
         comms["all_gather"],
         comms["reduce_scatter"],
         comms["all_reduce"],
@@ -99,6 +127,7 @@ def print_report(document: dict) -> None:
         f"world size {machine['world_size']}; preset {config['preset']}, "
         f"{config['batch']} x {config['seq']} tokens per rank, {config['steps']} timed steps"
     )
+    print(f"speed-up and memory ratio against {document['baseline']}")
     print("".join(format(name, spec) for name, spec in _COLUMNS))
     for r in results:
         print("".join(format(value, spec) for value, (_, spec) in zip(_row(r), _COLUMNS)))
