@@ -3,13 +3,15 @@
     python -m fsdp_compile.bench --preset small --world-size 2            # CPU: spawns gloo ranks
     torchrun --nproc-per-node 8 -m fsdp_compile.bench --preset 1b         # GPUs: nccl
     python -m fsdp_compile.bench --preset hf-llama-8b --fake-world 8      # one rank of 8
+    python -m fsdp_compile.bench --preset hf-llama-8b --fake-world 64 --emulate-link ib
 
 Launched by torchrun (RANK and WORLD_SIZE set) it runs in those ranks; otherwise it spawns
 ``--world-size`` ranks on 127.0.0.1 itself (gloo on CPU, nccl with one GPU each). Rank 0 prints
 a table and one JSON line, and writes the JSON to ``--json``. With ``--fake-world N`` this
 process is rank 0 of an N-rank job on torch's fake process group: its compute and memory are
 one rank's of that job, its collectives return at once without moving data (so its losses
-mean nothing and are not compared). See docs/performance.md.
+mean nothing and are not compared); ``--emulate-link`` gives each collective its modeled
+duration on that link instead, and the table its exposed communication. See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp_compile.bench.emulated_link import LINKS, init_emulated_group
 from fsdp_compile.bench.modes import (
     MODES,
     RunConfig,
@@ -56,6 +59,9 @@ class BenchConfig:
     """Ranks to spawn when not launched by torchrun."""
     fake_world: int = 0
     """Run this process alone as rank 0 of this many on the fake process group (0: off)."""
+    emulate_link: str = ""
+    """With --fake-world: collectives take their modeled time on this link, "nvlink" or "ib"
+    (fsdp_compile/bench/emulated_link.py); empty: they take none."""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     batch: int = 4
     """Sequences per rank per step."""
@@ -94,6 +100,7 @@ _CHOICES = {
     "device": ("cpu", "cuda"),
     "compiler": ("", "inductor", "eager"),
     "param_dtype": ("float32", "bfloat16"),
+    "emulate_link": ("", *LINKS),
 }
 
 
@@ -119,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error("--warmup, --steps and --world-size must be at least 1")
     if bench.fake_world < 0:
         parser.error("--fake-world must be a number of ranks, or 0 for a real job")
+    if bench.emulate_link and not bench.fake_world:
+        parser.error("--emulate-link needs --fake-world N: it emulates the link of one rank of N")
     return bench
 
 
@@ -127,7 +136,9 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: Be
     device = torch.device(bench.device, local_rank if bench.device == "cuda" else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if bench.fake_world:
+    if bench.emulate_link:
+        init_emulated_group(LINKS[bench.emulate_link], bench.fake_world)
+    elif bench.fake_world:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=bench.fake_world)

@@ -93,3 +93,13 @@ def _event_bytes(event, arg: int | None) -> int | None:
     for size in event.input_shapes[arg]:
         numel *= size
     return numel * element_size
+
+
+def issued_census(issued: list[tuple[str, int]]) -> dict:
+    """Collectives an emulated link was given during one step (``EmulatedLinkGroup.issued``):
+    a Python process group's collectives dispatch no c10d op the profiler could record."""
+    census = _empty_census("emulated link: collectives issued during one step")
+    for kind, nbytes in issued:
+        census[kind] += 1
+        census[f"{kind}_bytes"] += nbytes
+    return census

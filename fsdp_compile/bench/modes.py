@@ -33,7 +33,8 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, capture_step, fully_shard
-from fsdp_compile.bench.comms import graph_census, profiled_census
+from fsdp_compile.bench.comms import graph_census, issued_census, profiled_census
+from fsdp_compile.bench.emulated_link import EmulatedLinkGroup
 from fsdp_compile.bench.memory import PeakMemory
 from fsdp_compile.bench.presets import PRESETS, HFPreset, blocks, build, materialize, train_flops
 from fsdp_compile.models import make_batch, train_step_fn
@@ -139,17 +140,23 @@ def run_mode(mode: str, run: RunConfig, device: torch.device) -> dict:
     _sync(device)
     warmup_s = time.perf_counter() - start
 
+    link = dist.distributed_c10d._get_default_group()
+    emulated = isinstance(link, EmulatedLinkGroup)
+    issued_before = len(link.issued) if emulated else 0
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step(*batches[1])
         _sync(device)
+    profiled = issued_census(link.issued[issued_before:]) if emulated else profiled_census(prof)
 
     memory.warmup_done()
-    times = []
+    times, exposed = [], []
     for tokens, targets in tqdm(batches[2:], desc=mode, disable=dist.get_rank() != 0):
+        blocked = getattr(link, "exposed_s", 0.0)
         start = time.perf_counter()
         loss = step(tokens, targets)
         _sync(device)
         times.append(time.perf_counter() - start)
+        exposed.append(getattr(link, "exposed_s", 0.0) - blocked)
     result = {
         "mode": mode,
         "median_step_ms": 1e3 * statistics.median(times),
@@ -161,8 +168,13 @@ def run_mode(mode: str, run: RunConfig, device: torch.device) -> dict:
         "final_loss": float(loss),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "tokens_per_step": run.batch * run.seq,
+        # Measured where the emulated link can see it: the time a CPU step blocked in waits.
+        "exposed_comm_ms": (
+            1e3 * statistics.median(exposed)
+            if emulated and device.type == "cpu" else None
+        ),
         "model_tflops_per_step": train_flops(PRESETS[run.preset], run.batch, run.seq) / 1e12,
-        "profiled_collectives": profiled_census(prof),
+        "profiled_collectives": profiled,
     }
     result["collectives"] = (
         graph_census(backend.graphs) if backend is not None else result["profiled_collectives"]

@@ -5,7 +5,8 @@ and ``1b`` are Llama-style shapes of it for GPUs. The ``hf-*`` presets are Huggi
 LMs built from a config (no download; ``pip install fsdp_compile[bench]`` brings
 ``transformers``), which is what users compare on: ``hf-llama-1b``, ``-8b`` and ``-70b`` are
 Llama 3.2 1B, Llama 3 8B and Llama 3 70B shapes, ``hf-mixtral-2b`` a Mixtral of 8 layers and
-8 experts (top 2), and ``hf-llama-tiny`` / ``hf-mixtral-tiny`` the same families at CPU size.
+8 experts (top 2), and ``hf-llama-tiny``, ``hf-llama-small`` and ``hf-mixtral-tiny`` the same
+families at CPU sizes.
 HF presets are built on the meta device and materialised after sharding, each rank
 allocating only its shard (a 70B shape never exists whole on one device).
 """
@@ -63,6 +64,12 @@ PRESETS: dict[str, Preset] = {
     "hf-llama-tiny": _llama(
         vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    ),
+    # 16.0 M parameters: the Llama family at about the `small` preset's size, for CPU tables.
+    "hf-llama-small": _llama(
+        vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+        tie_word_embeddings=True,
     ),
     # 1.24 B parameters, tied embedding.
     "hf-llama-1b": _llama(

@@ -87,6 +87,7 @@ _COLUMNS = (
     ("speed-up", ">9"),
     ("tok/s/rank", ">11"),
     ("MFU", ">6"),
+    ("exposed ms", ">11"),
     ("peak MiB", ">9"),
     ("mem ratio", ">10"),
     ("AG/step", ">8"),
@@ -107,6 +108,7 @@ def _row(r: dict) -> tuple:
         _fmt(r["speedup_vs_baseline"], ".2f") + ("x" if r["speedup_vs_baseline"] else ""),
         _fmt(r["tokens_per_s"], ".0f"),
         _fmt(r["mfu"], ".1%"),
+        _fmt(r["exposed_comm_ms"], ".2f"),
         _fmt(r["peak_memory_mib"], ".1f"),
         _fmt(r["memory_vs_baseline"], ".2f"),
         comms["all_gather"],
@@ -124,7 +126,9 @@ def print_report(document: dict) -> None:
     where = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_cores']} cores"
     print(
         f"\n{where}; torch {machine['torch']}, {machine['process_group']}, "
-        f"world size {machine['world_size']}; preset {config['preset']}, "
+        f"world size {machine['world_size']}{' (fake)' if config['fake_world'] else ''}"
+        f"{', emulated ' + config['emulate_link'] + ' link' if config['emulate_link'] else ''}; "
+        f"preset {config['preset']}, "
         f"{config['batch']} x {config['seq']} tokens per rank, {config['steps']} timed steps"
     )
     print(f"speed-up and memory ratio against {document['baseline']}")
