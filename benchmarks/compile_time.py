@@ -47,7 +47,7 @@ def _model(layers: int):
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
-        from fsdp_compile.models import Transformer, TransformerConfig
+        from fsdp_compile.testing.models import Transformer, TransformerConfig
 
         cfg = TransformerConfig(vocab=256, dim=64, n_layers=layers, n_heads=4, hidden=128, max_seq=64)
         return "fsdp_compile Transformer", Transformer(cfg), cfg.vocab

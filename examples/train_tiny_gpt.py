@@ -16,10 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import fsdp_compile  # noqa: F401  (registers backend="mfsdp"; the entry point does too)
 from fsdp_compile import fully_shard
 from launch import init_torchrun
-from fsdp_compile.models import Transformer, TransformerConfig, loss_fn
+from fsdp_compile.testing.models import Transformer, TransformerConfig, loss_fn
 
 
 def counting_batch(cfg: TransformerConfig, batch: int, seq: int, gen: torch.Generator, device):

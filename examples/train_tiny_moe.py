@@ -20,10 +20,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-import fsdp_compile  # noqa: F401  (registers backend="mfsdp"; the entry point does too)
 from fsdp_compile import clip_grad_norm_, expert_mesh, fully_shard
 from launch import init_torchrun
-from fsdp_compile.models import Transformer, TransformerConfig, loss_fn
+from fsdp_compile.testing.models import Transformer, TransformerConfig, loss_fn
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -200,7 +200,7 @@ def trace_step(
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
-    from fsdp_compile.models import Transformer, TransformerConfig
+    from fsdp_compile.testing.models import Transformer, TransformerConfig
 
     cfg = TransformerConfig(**shape)
     bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fsdp_compile.models import Transformer, TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import Transformer, TransformerConfig, loss_fn, make_batch
 
 STEPS = 5
 LOCAL_BATCH = 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives
 from harness import assert_parity, build_model, fake_process_group, parity_run, spawn

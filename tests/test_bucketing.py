@@ -9,7 +9,7 @@ import torch
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.buckets import plan_buckets
 from fsdp_compile.errors import CompileUsageError
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import (
     check_schedule_collectives,
     gather_lifetimes,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, capture_step, fully_shard
-from fsdp_compile.models import TransformerConfig, train_step_fn
+from fsdp_compile.testing.models import TransformerConfig, train_step_fn
 from harness import build_model, global_batch, spawn
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

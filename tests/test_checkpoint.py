@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from fsdp_compile import fully_shard
-from fsdp_compile.models import TransformerConfig
+from fsdp_compile.testing.models import TransformerConfig
 from harness import (
     build_model,
     checkpoint_resume_run,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fsdp_compile import MfsdpBackend, clip_grad_norm_, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn
+from fsdp_compile.testing.models import TransformerConfig, loss_fn
 from harness import (
     EP,
     EP_WORLD as WORLD,

@@ -18,7 +18,7 @@ from torch import nn
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.backend import _Partitioner
-from fsdp_compile.models import TransformerConfig
+from fsdp_compile.testing.models import TransformerConfig
 from harness import build_model, rank_batches, spawn, train
 
 

@@ -9,7 +9,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import CudaGraphIncompatible, GraphBreakUnderCudaGraph, check_cuda_graph
 from harness import build_model, fake_process_group
 

@@ -12,7 +12,7 @@ from matplotlib import pyplot as plt
 
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.patterns import count_collectives, is_collective, is_wait
 from harness import build_model, fake_process_group
 

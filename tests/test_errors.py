@@ -11,7 +11,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, UsageError, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import build_model, fake_process_group, spawn
 
 

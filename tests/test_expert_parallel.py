@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compile import MfsdpBackend, UsageError, expert_mesh, fully_shard, shard_info
 from fsdp_compile.expert_parallel import RemoteExpert
-from fsdp_compile.models import GroupedExperts, TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import GroupedExperts, TransformerConfig, loss_fn, make_batch
 from fsdp_compile.patterns import bucket_index, is_all_gather, is_collective
 from harness import (
     EP,
@@ -297,7 +297,7 @@ def test_grouped_expert_mlp_uses_grouped_mm_in_bf16_and_matches_fp32():
     results stay within bf16 rounding of the fp32 batched-matmul path."""
     from unittest import mock
 
-    from fsdp_compile.models import GroupedExpertMLP
+    from fsdp_compile.testing.models import GroupedExpertMLP
 
     torch.manual_seed(0)
     x, w_in, w_out = torch.randn(4, 16, 48), torch.randn(4, 96, 48) / 7, torch.randn(4, 48, 96) / 10

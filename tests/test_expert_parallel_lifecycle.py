@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from fsdp_compile import MfsdpBackend, expert_mesh, fully_shard
-from fsdp_compile.models import Transformer
+from fsdp_compile.testing.models import Transformer
 from harness import (
     EP,
     EP_WORLD as WORLD,

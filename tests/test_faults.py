@@ -8,7 +8,7 @@ import time
 import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import build_model, spawn
 
 PG_TIMEOUT = 15

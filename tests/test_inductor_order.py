@@ -8,7 +8,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import TransformerConfig, make_batch
+from fsdp_compile.testing.models import TransformerConfig, make_batch
 from fsdp_compile.patterns import is_collective, is_wait
 from harness import build_model, fake_process_group
 

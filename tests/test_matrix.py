@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.bench.comms import graph_census, profiled_census
-from fsdp_compile.models import Transformer, TransformerConfig, loss_fn
+from fsdp_compile.testing.models import Transformer, TransformerConfig, loss_fn
 from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES
 from fsdp_compile.patterns import count_collectives
 from harness import (

@@ -7,7 +7,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import Transformer, TransformerConfig
+from fsdp_compile.testing.models import Transformer, TransformerConfig
 from harness import (
     build_model,
     fake_process_group,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.patterns import is_all_gather, is_reduce_scatter
 from harness import (
     build_model,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import TransformerConfig
+from fsdp_compile.testing.models import TransformerConfig
 from harness import (
     assert_parity,
     build_model,
@@ -57,7 +57,7 @@ def _grad_shards(rank, world, *, cfg, mode):
     """One backward; compare each .grad with this rank's rows of the reference gradient."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from fsdp_compile.models import loss_fn
+    from fsdp_compile.testing.models import loss_fn
     from harness import global_batch
 
     ref = build_model(cfg)

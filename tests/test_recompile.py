@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import TransformerConfig, make_batch
+from fsdp_compile.testing.models import TransformerConfig, make_batch
 from harness import (
     build_model,
     full_parameters,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import RMSNorm, TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import RMSNorm, TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives, is_all_gather
 from fsdp_compile.regions import is_region

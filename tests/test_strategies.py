@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.ops import STRATEGIES
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, count_collectives

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard, shard_info
-from fsdp_compile.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import ALL_GATHER, count_collectives
 from harness import build_model, fake_process_group, moe_config, with_meshes

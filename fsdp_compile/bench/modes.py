@@ -37,7 +37,7 @@ from fsdp_compile.bench.comms import graph_census, issued_census, profiled_censu
 from fsdp_compile.bench.emulated_link import EmulatedLinkGroup
 from fsdp_compile.bench.memory import PeakMemory
 from fsdp_compile.bench.presets import PRESETS, HFPreset, blocks, build, materialize, train_flops
-from fsdp_compile.models import make_batch, train_step_fn
+from fsdp_compile.testing.models import make_batch, train_step_fn
 
 MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-cudagraph")
 

@@ -1,6 +1,6 @@
 """Model sizes the benches share: this project's test ``Transformer`` and HuggingFace models.
 
-``tiny`` and ``small`` (``fsdp_compile.models.Transformer``) run on a CPU in seconds; ``500m``
+``tiny`` and ``small`` (``fsdp_compile.testing.models.Transformer``) run on a CPU in seconds; ``500m``
 and ``1b`` are Llama-style shapes of it for GPUs. The ``hf-*`` presets are HuggingFace causal
 LMs built from a config (no download; ``pip install fsdp_compile[bench]`` brings
 ``transformers``), which is what users compare on: ``hf-llama-1b``, ``-8b`` and ``-70b`` are
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fsdp_compile.models import Transformer, TransformerConfig
+from fsdp_compile.testing.models import Transformer, TransformerConfig
 
 
 @dataclass(frozen=True)
