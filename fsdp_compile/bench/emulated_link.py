@@ -38,12 +38,25 @@ from fsdp_compile.simulate import INFINIBAND_GPU
 LINKS: dict[str, Hardware] = {"nvlink": NVLINK_GPU, "ib": INFINIBAND_GPU}
 
 
-class _CpuWork(dist.Work):
+class _LinkWork(dist.Work):
+    """A collective on the link; its future holds the tensors it wrote."""
+
+    def __init__(self, result: list) -> None:
+        super().__init__()
+        self._result = result
+
+    def get_future(self) -> Future:
+        future: Future = Future()
+        future.set_result(self._result)
+        return future
+
+
+class _CpuWork(_LinkWork):
     """Done at ``done_at`` (``time.perf_counter`` seconds); ``wait`` sleeps until then."""
 
     def __init__(self, group: EmulatedLinkGroup, done_at: float, result: list) -> None:
-        super().__init__()
-        self._group, self._done_at, self._result = group, done_at, result
+        super().__init__(result)
+        self._group, self._done_at = group, done_at
 
     def is_completed(self) -> bool:
         return time.perf_counter() >= self._done_at
@@ -56,16 +69,14 @@ class _CpuWork(dist.Work):
                 self._group.exposed_s += blocked
         return True
 
-    def get_future(self) -> Future:
-        future: Future = Future()
-        future.set_result(self._result)
-        return future
 
+class _CudaWork(_LinkWork):
+    """Done when ``done`` (an event on the communication stream) is; ``wait`` makes the
+    current stream wait for it."""
 
-class _CudaWork(dist.Work):
     def __init__(self, done: torch.cuda.Event, result: list) -> None:
-        super().__init__()
-        self._done, self._result = done, result
+        super().__init__(result)
+        self._done = done
 
     def is_completed(self) -> bool:
         return self._done.query()
@@ -73,11 +84,6 @@ class _CudaWork(dist.Work):
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         torch.cuda.current_stream().wait_event(self._done)
         return True
-
-    def get_future(self) -> Future:
-        future: Future = Future()
-        future.set_result(self._result)
-        return future
 
 
 class EmulatedLinkGroup(dist.ProcessGroup):
