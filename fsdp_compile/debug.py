@@ -27,6 +27,7 @@ name and renamed, so ranks dumping at once never interleave.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.plan import Plan
 from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline
 
@@ -47,9 +49,18 @@ DEBUG_DIR_ENV = "MFSDP_DEBUG_DIR"
 
 
 def debug_dir(option: str | None) -> Path | None:
-    """The dump root: the ``debug_dir`` option, else ``$MFSDP_DEBUG_DIR``, else None."""
+    """The dump root: the ``debug_dir`` option, else ``$MFSDP_DEBUG_DIR``, else None. Asked
+    for without the ``[debug]`` extra, a ``CompileUsageError`` before anything is traced."""
     root = option or os.environ.get(DEBUG_DIR_ENV)
-    return Path(root) if root else None
+    if not root:
+        return None
+    missing = [name for name in ("depyf", "matplotlib") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CompileUsageError(
+            f"debug dumps (debug_dir={root!r}) need {' and '.join(missing)}: "
+            f"pip install 'fsdp_compile[debug]', or drop debug_dir and ${DEBUG_DIR_ENV}."
+        )
+    return Path(root)
 
 
 def _rank() -> int:

@@ -113,3 +113,18 @@ def test_explain_summarises_parameters_and_collectives():
 def test_bad_debug_dir_option_is_rejected():
     with pytest.raises(ValueError, match="debug_dir"):
         MfsdpBackend(debug_dir=3)
+
+
+def test_dumps_without_the_debug_extra_fail_before_tracing(tmp_path, monkeypatch):
+    """depyf and matplotlib are the ``[debug]`` extra, not core dependencies: asking for
+    dumps without them is one ``ValueError`` naming the install, raised when the backend
+    first sees the graph (before the plan's rank check or any collective), not an
+    ImportError halfway through the dumps."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "depyf" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ValueError, match=r"need depyf: pip install 'fsdp_compile\[debug\]'"):
+        _dump_step(tmp_path, debug_dir=str(tmp_path))

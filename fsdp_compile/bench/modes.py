@@ -30,7 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ImportError as missing:
+    raise ImportError("mfsdp-bench needs its extra: pip install 'fsdp_compile[bench]'") from missing
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, capture_step, fully_shard
 from fsdp_compile.bench.comms import graph_census, issued_census, profiled_census
