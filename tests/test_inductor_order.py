@@ -55,7 +55,8 @@ def test_inductor_code_issues_collectives_in_the_planned_order():
     cfg = TransformerConfig(n_layers=2)
     with fake_process_group(8):
         model = fully_shard(build_model(cfg))
-        backend = MfsdpBackend(compiler="inductor")
+        # compile_cache=False: the test reads the compiled graphs, which a cache hit never builds.
+        backend = MfsdpBackend(compiler="inductor", compile_cache=False)
         tokens, _ = make_batch(cfg, 2, 8, 0)
         with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
             _, (forward_code, backward_code) = run_and_get_code(torch.compile(model, backend=backend), tokens)
