@@ -85,6 +85,11 @@ def is_wait(node: fx.Node) -> bool:
     return _calls(node, WAIT)
 
 
+def is_body_call(node: fx.Node) -> bool:
+    """A call of a repeated block's body (``invoke_subgraph``; see fsdp_compile/regions.py)."""
+    return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+
+
 def is_view(node: fx.Node) -> bool:
     """An aten view op: its output aliases its input, so saving it saves the input's storage."""
     target = node.target

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
 
 from fsdp_compile.fx_utils import finish
+from fsdp_compile.patterns import is_body_call
 from fsdp_compile.plan import Plan
-
-INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
 def inline_regions(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -21,5 +19,5 @@ def inline_regions(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def check_inline_regions(gm: fx.GraphModule, plan: Plan) -> None:
-    left = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target is INVOKE_SUBGRAPH]
+    left = [n.name for n in gm.graph.nodes if is_body_call(n)]
     assert not left, f"repeated-block bodies still called: {left}"

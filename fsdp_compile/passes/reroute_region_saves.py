@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import operator
 
-import torch
 from torch import fx
 
 from fsdp_compile.fx_utils import call, finish
-from fsdp_compile.patterns import is_view
+from fsdp_compile.patterns import is_body_call, is_view
 from fsdp_compile.plan import Plan
-
-INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
 def _forward_calls(gm: fx.GraphModule) -> list[fx.Node]:
-    return [
-        n for n in gm.graph.nodes
-        if n.op == "call_function" and n.target is INVOKE_SUBGRAPH and str(n.args[1]).startswith("partitioned_fw")
-    ]
+    return [n for n in gm.graph.nodes if is_body_call(n) and str(n.args[1]).startswith("partitioned_fw")]
 
 
 def _input_view(output: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
