@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fsdp_compile.patterns import is_ours
 
@@ -26,7 +26,7 @@ def call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     node = graph.call_function(target, args, kwargs)
     vals, kwvals = tree_map(_val, (args, kwargs))
     fake_mode = next(
-        (v.fake_mode for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")),
+        (v.fake_mode for v in tree_leaves(vals) if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")),
         None,
     )
     if fake_mode is not None:
