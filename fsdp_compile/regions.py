@@ -38,6 +38,7 @@ NOTE: structure before guards
 
 from __future__ import annotations
 
+import itertools
 import types
 import weakref
 from collections import defaultdict
@@ -73,7 +74,7 @@ def is_region(module: nn.Module) -> bool:
 def _region_forward(self: nn.Module, *args, **kwargs):
     params = self._mfsdp_region_params.values()
     weights = tuple(gather(p, info) for p, info in zip(params, self._mfsdp_region.infos))
-    body = getattr(_BODIES, _body_for(id(self)))
+    body = getattr(_BODIES, _body_for(self._mfsdp_region_key))
     return body(self, weights, *args, **kwargs)
 
 
@@ -122,14 +123,18 @@ _BODY_OF: dict[tuple, str] = {}
 # The region blocks by id, for _body_for (a function Dynamo runs rather than traces takes
 # constants only).
 _BLOCKS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+# Keys, not id(block): id() of a module in the traced wrapper is an ID_MATCH guard on the block,
+# which Dynamo's reuse check re-evaluates for the next layer (the block is the body's argument)
+# and which then always fails.
+_BLOCK_KEYS = itertools.count()
 
 
 @torch._dynamo.assume_constant_result
-def _body_for(block_id: int) -> str:
+def _body_for(block_key: int) -> str:
     """The name in ``_BODIES`` of the region function for the structure the block
-    ``block_id`` has now: Dynamo runs this in Python while tracing, so a hook added after
+    ``block_key`` has now: Dynamo runs this in Python while tracing, so a hook added after
     fully_shard counts, at no guard's cost."""
-    key = structure(_BLOCKS[block_id])
+    key = structure(_BLOCKS[block_key])
     if key not in _BODY_OF:
         name = f"_region_{len(_BODY_OF)}"
         code = _region.__code__.replace(co_name=name)
@@ -193,7 +198,8 @@ def _make_region(block: nn.Module, layout: RegionLayout) -> None:
             },
         )
     block.__class__ = _REGION_CLASSES[cls]
-    _BLOCKS[id(block)] = block
+    block._mfsdp_region_key = next(_BLOCK_KEYS)
+    _BLOCKS[block._mfsdp_region_key] = block
     block._mfsdp_region = layout
     block._mfsdp_region_params = _flat_params(block, layout.owners)
 
