@@ -32,6 +32,7 @@ from fsdp_compile.expert_parallel import (
     check_expert_parallel,
     expert_modules,
 )
+from fsdp_compile.float8 import Float8Gather, float8_gather_of, float8_weight, is_float8_weight, master_weight
 from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES, Strategy, unshard
 from fsdp_compile.optim_guard import install as install_optimizer_guard
 
@@ -125,6 +126,10 @@ class ShardInfo:
     """Dtype on the wire and in the compute."""
     reduce_dtype: torch.dtype
     """Dtype of the gradient reduction."""
+    float8: Float8Gather | None = None
+    """A float8 linear's weight (torchao, ``enable_fsdp_float8_all_gather=True``): gathered
+    in float8 and read as a ``Float8TrainingTensor`` computing in ``param_dtype`` (see NOTE:
+    float8 gathers, in fsdp_compile/float8.py); None for every other parameter."""
     ep_group_outside_mesh: str = ""
     """An expert of an ``nn.ModuleList`` under expert parallelism: the EP group whose other
     ranks hold the layer's other experts. Its DTensor lives on the ``edp`` mesh, which does not
@@ -246,7 +251,7 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
     try:
         # Read the accumulation state only when there is some: a read of a global dict is a
         # guard, and a pop a side effect Dynamo records, for every parameter of every layer.
-        return unshard(
+        gathered = unshard(
             param.to_local(),
             _accumulators.get(info.param_id) if _accumulators else None,
             _pending.pop(info.param_id, None) if _pending else None,
@@ -255,10 +260,12 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
             info.group_name,
             info.replicate_group_name,
             info.strategy,
-            info.param_dtype,
+            # A float8 weight is cast from its stored dtype, as torchao casts the master.
+            info.param_dtype if info.float8 is None else param.dtype,
             info.reduce_dtype,
             info.grad_divisor,
         )
+        return gathered if info.float8 is None else float8_weight(gathered, info.float8, info.param_dtype)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to
         # nn.Module.__getattr__, which would silently hand the *shard* to the caller.
@@ -429,6 +436,25 @@ def _reshard_wrapped_units(module: nn.Module) -> None:
                 param._mfsdp = dataclasses.replace(info, reshard_after_forward=True)
 
 
+def _float8_weights(module: nn.Module, strategy: str, experts) -> dict[int, Float8Gather]:
+    """The float8 record of each float8 weight ``module`` holds, by parameter identity;
+    checked here, before any process group is touched."""
+    for name, expert_module in experts:
+        if any(is_float8_weight(p) for p in expert_module.parameters()):
+            raise UsageError(
+                f"{name or type(module).__name__} holds float8 expert weights: expert-parallel "
+                "experts are not gathered in float8. Leave them out of the conversion "
+                "(convert_to_float8_training(..., module_filter_fn=...))."
+            )
+    found = {}
+    for key, (fqn, param) in _managed_params(module).items():
+        owner_path, _, name = fqn.rpartition(".")
+        float8 = float8_gather_of(module.get_submodule(owner_path), name, param, strategy)
+        if float8 is not None:
+            found[key] = float8
+    return found
+
+
 def _placements(strategy: str, mesh: DeviceMesh) -> list:
     if strategy not in GATHERING_STRATEGIES:
         return [Replicate()]
@@ -481,6 +507,7 @@ def fully_shard(
         )
     mp_policy = mp_policy or MixedPrecision()
     marked = expert_modules(module)
+    float8_weights = _float8_weights(module, strategy, marked)
     if marked:
         dense_world = mesh.size() if mesh is not None else dist.get_world_size()
         check_expert_parallel(marked, expert_mesh, dense_world, strategy, shard_experts)
@@ -503,6 +530,7 @@ def fully_shard(
             # Tied to a parameter an earlier (submodule) call already sharded: reuse that one.
             sharded[key] = param._mfsdp_sharded_as
             continue
+        float8 = float8_weights.get(key)
         info = ShardInfo(
             param_id=next(_param_ids),
             fqn=fqn,
@@ -516,9 +544,11 @@ def fully_shard(
             replicate_world=mesh.size(0) if replicate_group_name else 1,
             grad_divisor=mesh.size(),
             reshard_after_forward=_reshards(reshard_after_forward, fqn),
+            float8=float8,
             **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(param.dtype))),
         )
-        sharded[key] = _shard(param, mesh, placements, info)
+        # A float8 weight: the fp32 master inside torchao's wrapper is what is sharded.
+        sharded[key] = _shard(param, mesh, placements, info, master_weight(param) if float8 else None)
 
     for submodule in module.modules():
         names = set()
@@ -538,11 +568,15 @@ def fully_shard(
     return module
 
 
-def _shard(param: nn.Parameter, mesh: DeviceMesh, placements, info: ShardInfo) -> nn.Parameter:
-    """``param`` as an ``nn.Parameter(DTensor)`` carrying its sharding record ``info``."""
+def _shard(
+    param: nn.Parameter, mesh: DeviceMesh, placements, info: ShardInfo, values: torch.Tensor | None = None
+) -> nn.Parameter:
+    """``param`` (or the ``values`` it stands for) as an ``nn.Parameter(DTensor)`` carrying
+    its sharding record ``info``."""
     # Each rank already holds the full tensor, so cut locally (src_data_rank=None):
     # no broadcast runs and ranks must have been seeded alike, as with FSDP2.
-    dtensor = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
+    values = param if values is None else values
+    dtensor = distribute_tensor(values.detach(), mesh, placements, src_data_rank=None)
     new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     new_param._mfsdp = info
     # Modules outside this call may still hold ``param`` (ties across units): leave a

@@ -87,7 +87,7 @@ def plan_buckets(
             p.group_name,
             p.replicate_group_name,
             p.strategy,
-            p.param_dtype,
+            p.wire_dtype,
             p.reduce_dtype,
         )
 
@@ -115,7 +115,7 @@ def plan_buckets(
             param_ids=tuple(p.param_id for p in run),
             group_name=run[0].group_name,
             reshard_after_forward=run[0].reshard_after_forward,
-            param_dtype=run[0].param_dtype,
+            param_dtype=run[0].wire_dtype,
             reduce_dtype=run[0].reduce_dtype,
             gathered_bytes=sum(p.gathered_bytes for p in run),
         )

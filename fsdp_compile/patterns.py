@@ -28,6 +28,7 @@ from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
+from fsdp_compile.float8 import FLOAT8_CAST
 
 UNSHARD = torch.ops.fsdp_compile.unshard.default
 REDUCE_GRAD = torch.ops.fsdp_compile.reduce_grad.default
@@ -52,6 +53,11 @@ def is_unshard(node: fx.Node) -> bool:
 
 def is_reduce_grad(node: fx.Node) -> bool:
     return _calls(node, REDUCE_GRAD)
+
+
+def is_float8_cast(node: fx.Node) -> bool:
+    """The cast of a gathered float8 weight (see NOTE: float8 gathers, in fsdp_compile/float8.py)."""
+    return _calls(node, FLOAT8_CAST)
 
 
 def is_marker(node: fx.Node) -> bool:
@@ -153,6 +159,8 @@ class CollectiveFacts:
     """The full-size tensor: the gathered output (all_gather), the reduced input
     (reduce_scatter, all_reduce), the sent input (all_to_all)."""
     dtype: torch.dtype
+    """What the bytes are: a float8 gather moves its float8 bytes as ``uint8`` (the type gloo
+    and NCCL move) and says ``float8_e4m3fn`` here (``meta["mfsdp_float8"]``)."""
 
 
 def _argument(node: fx.Node, name: str):
@@ -185,7 +193,7 @@ def collective_facts(node: fx.Node) -> CollectiveFacts:
         group_name=group_name,
         world=world,
         nbytes=full.numel() * full.element_size(),
-        dtype=full.dtype,
+        dtype=node.meta.get("mfsdp_float8", full.dtype),
     )
 
 

@@ -122,6 +122,9 @@ class ParamPlan:
     """Dtype on the wire and in the compute (mixed precision)."""
     reduce_dtype: str
     """Dtype of the gradient reduce-scatter."""
+    float8_dtype: str = ""
+    """A float8 weight's gather dtype (see NOTE: float8 gathers, in fsdp_compile/float8.py);
+    "" for every other parameter."""
     strategy: str
     """Sharding strategy (``fully_shard(strategy=...)``): decides the collectives."""
     group_name: str
@@ -153,6 +156,11 @@ class ParamPlan:
         return self.strategy in SCATTERING_STRATEGIES
 
     @property
+    def wire_dtype(self) -> str:
+        """The dtype its all-gather moves: float8 for a float8 weight, else ``param_dtype``."""
+        return self.float8_dtype or self.param_dtype
+
+    @property
     def padded_rows(self) -> int:
         return -(-self.global_shape[0] // self.world)
 
@@ -161,7 +169,7 @@ class ParamPlan:
         numel = self.padded_rows * self.world
         for size in self.global_shape[1:]:
             numel *= size
-        return numel * torch.empty((), dtype=getattr(torch, self.param_dtype)).element_size()
+        return numel * getattr(torch, self.wire_dtype).itemsize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,6 +258,7 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
                 dtype=_dtype_name(local.dtype),
                 param_dtype=_dtype_name(info.param_dtype),
                 reduce_dtype=_dtype_name(info.reduce_dtype),
+                float8_dtype=_dtype_name(info.float8.dtype) if info.float8 else "",
                 strategy=info.strategy,
                 group_name=info.group_name,
                 world=info.world,

@@ -168,14 +168,18 @@ _REGION_CLASSES: dict[type, type] = {}
 
 def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
     """The block's sharded parameters by owner; None when the block cannot be one body: a
-    parameter not sharded by fully_shard, or one shared with a module outside the block."""
+    parameter not sharded by fully_shard, one shared with a module outside the block, or a
+    float8 weight."""
     owners, infos = defaultdict(list), []
     for path, owner in block.named_modules():
         for name, param in owner._parameters.items():
             if param is None:
                 continue
             info = shard_info(param)
-            if info is None or id(param) in shared:
+            # A float8 weight reaches the body as torchao's Float8TrainingTensor, and torch
+            # 2.13's invoke_subgraph takes no tensor-subclass input under AOTAutograd (no rule
+            # for it): such a block is traced inline, as with regional=False.
+            if info is None or id(param) in shared or info.float8 is not None:
                 return None
             owners[path].append(name)
             infos.append(info)

@@ -414,3 +414,44 @@ def persistent_bytes(model, opt) -> dict[str, int]:
         name: sum(device.get(kind, 0) for device in snapshot.values())
         for name, kind in kinds.items()
     }
+
+
+# ---- float8 (torchao) -----------------------------------------------------------------------
+
+FLOAT8_CFG = TransformerConfig(vocab=67, dim=64, n_layers=2, n_heads=4, hidden=128)
+"""The test transformer with every linear but the head (67 rows) in multiples of 16."""
+
+
+def float8_model(cfg: TransformerConfig = FLOAT8_CFG, seed: int = 0, filtered: bool = True):
+    """``build_model`` with torchao float8 linears gathered in float8
+    (``enable_fsdp_float8_all_gather=True``); ``filtered`` leaves out the linears the float8
+    matmul cannot take (a dim not a multiple of 16)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def fits(module, fqn):
+        return not filtered or all(size % 16 == 0 for size in module.weight.shape)
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    return convert_to_float8_training(build_model(cfg, seed), config=config, module_filter_fn=fits)
+
+
+def per_rank_reference(model, cfg: TransformerConfig, world: int, steps: int = STEPS, micro_batches: int = 1):
+    """``model`` (unsharded) trained on each rank's batches in turn, summing the gradients of
+    loss / (world * micro_batches): what a data-parallel job computes when each rank's
+    activations are cast on their own (float8 scales them by their own amax). Returns (mean
+    losses, {name: parameter, a float8 weight's fp32 master}), as ``reference``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        total = torch.zeros(())
+        for rank in range(world):
+            for micro in range(micro_batches):
+                tokens, targets = make_batch(cfg, LOCAL_BATCH, SEQ, step * micro_batches + micro, rank)
+                loss = loss_fn(model(tokens), targets) / (world * micro_batches)
+                loss.backward()
+                total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    params = {n: getattr(p, "_tensor", p).detach().clone() for n, p in model.named_parameters()}
+    return torch.stack(losses), params

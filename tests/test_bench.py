@@ -82,3 +82,29 @@ def test_hf_preset_as_one_rank_of_a_fake_world(tmp_path):
     assert results["mfsdp"]["collectives"]["all_gather"] == results["fsdp2-compile"]["collectives"]["all_gather"] == 5
     assert results["mfsdp"]["collectives"]["reduce_scatter"] == 3
     assert results["mfsdp"]["params_m"] == results["fsdp2-compile"]["params_m"] > 0.5
+
+
+def test_float8_bench_shows_float8_gathers(tmp_path):
+    """``--float8 on``: FSDP2 (torchao's float8 all-gather) and mfsdp train the same float8
+    model from the same loss, and mfsdp's census shows its float8 gathers."""
+    pytest.importorskip("torchao.float8")
+    document = _run_bench(
+        tmp_path / "bench.json", modes=("fsdp2", "mfsdp"), where=("--fake-world", "4", "--float8", "on"),
+    )
+    results = {r["mode"]: r for r in document["results"]}
+    by_dtype = results["mfsdp"]["collectives"]["all_gather_bytes_by_dtype"]
+    assert by_dtype["float8_e4m3fn"] > 0 and by_dtype["float32"] > 0, by_dtype
+    reference = results["fsdp2"]["loss_step0"]
+    assert abs(results["mfsdp"]["loss_step0"] - reference) < 1e-4 * abs(reference), results
+
+
+def test_float8_bench_without_torchao_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from fsdp_compile.bench.cli import parse_args
+    from fsdp_compile.errors import UsageError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    with pytest.raises(UsageError, match=r"pip install 'fsdp_compile\[float8\]'"):
+        parse_args(["--float8", "on"])

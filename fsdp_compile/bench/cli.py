@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from fsdp_compile.bench.emulated_link import LINKS, init_emulated_group
 from fsdp_compile.bench.modes import (
+    check_float8_available,
     MODES,
     RunConfig,
     agree_across_ranks,
@@ -74,6 +75,9 @@ class BenchConfig:
     """mfsdp's compiler, "inductor" or "eager"; empty: inductor on CUDA, eager on CPU."""
     param_dtype: str = "float32"
     """"float32" or "bfloat16" (mixed precision: fp32 weights, fp32 gradient reduction)."""
+    float8: str = "off"
+    """"on": torchao float8 linears gathered in float8, every mode (FSDP2 with torchao's
+    float8 all-gather); needs ``pip install 'fsdp_compile[float8]'``."""
     lr: float = 1e-3
     seed: int = 0
     json: str = ""
@@ -90,6 +94,7 @@ class BenchConfig:
             steps=self.steps,
             compiler=self.compiler or ("inductor" if self.device == "cuda" else "eager"),
             param_dtype=getattr(torch, self.param_dtype),
+            float8=self.float8 == "on",
             lr=self.lr,
             seed=self.seed,
         )
@@ -100,6 +105,7 @@ _CHOICES = {
     "device": ("cpu", "cuda"),
     "compiler": ("", "inductor", "eager"),
     "param_dtype": ("float32", "bfloat16"),
+    "float8": ("off", "on"),
     "emulate_link": ("", *LINKS),
 }
 
@@ -126,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error("--warmup, --steps and --world-size must be at least 1")
     if bench.fake_world < 0:
         parser.error("--fake-world must be a number of ranks, or 0 for a real job")
+    if bench.float8 == "on":
+        check_float8_available()
     if bench.emulate_link and not bench.fake_world:
         parser.error("--emulate-link needs --fake-world N: it emulates the link of one rank of N")
     return bench

@@ -54,6 +54,7 @@ def graph_census(graphs: Iterable[CompiledGraph]) -> dict:
     then disagrees with ``profiled_census``).
     """
     census = _empty_census("compiled graphs (forward + backward)")
+    by_dtype: dict[str, int] = {}
     for compiled in graphs:
         for gm in (compiled.forward, compiled.backward):
             for node in gm.graph.nodes:
@@ -61,6 +62,11 @@ def graph_census(graphs: Iterable[CompiledGraph]) -> dict:
                     facts = collective_facts(node)
                     census[facts.kind] += 1
                     census[f"{facts.kind}_bytes"] += facts.nbytes
+                    if facts.kind == "all_gather":
+                        dtype = str(facts.dtype).removeprefix("torch.")
+                        by_dtype[dtype] = by_dtype.get(dtype, 0) + facts.nbytes
+    # What the gathers carry (float8 weights travel as uint8 bytes but count as float8).
+    census["all_gather_bytes_by_dtype"] = dict(sorted(by_dtype.items()))
     return census
 
 

@@ -22,12 +22,14 @@ steps, each on a fresh batch.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
@@ -41,6 +43,8 @@ from fsdp_compile.bench.comms import graph_census, issued_census, profiled_censu
 from fsdp_compile.bench.emulated_link import EmulatedLinkGroup
 from fsdp_compile.bench.memory import PeakMemory
 from fsdp_compile.bench.presets import PRESETS, HFPreset, blocks, build, materialize, train_flops
+from fsdp_compile.errors import UsageError
+from fsdp_compile.float8 import float8_extra_missing
 from fsdp_compile.testing.models import make_batch, train_step_fn
 
 MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-cudagraph")
@@ -61,6 +65,8 @@ class RunConfig:
     """``mfsdp``'s compiler: "inductor" or "eager"."""
     param_dtype: torch.dtype
     """Compute and all-gather dtype; gradients are reduced in fp32 and weights kept in fp32."""
+    float8: bool = False
+    """Linears converted to torchao float8 training, weights gathered in float8."""
     lr: float
     seed: int
 
@@ -71,11 +77,33 @@ def skip_reason(mode: str, device: torch.device) -> str | None:
     return None
 
 
+def check_float8_available() -> None:
+    """Raise ``UsageError`` naming the install when torchao is missing."""
+    if importlib.util.find_spec("torchao") is None:
+        raise UsageError(float8_extra_missing())
+
+
+def convert_linears_to_float8(model: nn.Module) -> None:
+    """torchao float8 training with float8 all-gather for every linear the float8 matmul can
+    take (both dims multiples of 16), the output head left in high precision as torchtitan
+    does."""
+    check_float8_available()
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def converted(module: nn.Module, fqn: str) -> bool:
+        return fqn not in ("lm_head", "head", "output") and all(s % 16 == 0 for s in module.weight.shape)
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=converted)
+
+
 def _build(mode: str, run: RunConfig, device: torch.device):
     """(model, forward, backend or None): ``forward(tokens)`` gives the logits each step reads."""
     torch.manual_seed(run.seed)
     preset = PRESETS[run.preset]
     model = build(preset)
+    if run.float8:
+        convert_linears_to_float8(model)
     if not isinstance(preset, HFPreset):
         model = model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))

@@ -39,6 +39,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from fsdp_compile.fx_utils import call, finish
 from fsdp_compile.patterns import (
     ALL_GATHER_OUT,
+    ALL_REDUCE,
     REDUCE_SCATTER,
     WAIT,
     bucket_index,
@@ -147,6 +148,29 @@ def _merge_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> tuple[list[fx.N
     return [n for n in graph.nodes if n not in before], outputs
 
 
+def _merge_amax_reductions(gm: fx.GraphModule, reductions: list[fx.Node]) -> list[fx.Node]:
+    """One all-reduce (MAX) of the stacked amaxes of a bucket's float8 members in place of
+    one each (see NOTE: float8 gathers, in fsdp_compile/float8.py); returns the new nodes."""
+    _hoist_inputs(gm, reductions)
+    graph = gm.graph
+    _, op, group_name = reductions[0].args
+    before = set(graph.nodes)
+    with graph.inserting_before(reductions[0]):
+        # cat of views, not stack: the graph is past AOTAutograd's decompositions.
+        stacked = call(graph, aten.cat.default, [call(graph, aten.view.default, r.args[0], [1]) for r in reductions])
+        reduced = call(graph, WAIT, call(graph, ALL_REDUCE, stacked, op, group_name))
+        amaxes = [call(graph, aten.select.int, reduced, 0, i) for i in range(len(reductions))]
+    for reduction, amax in zip(reductions, amaxes):
+        (wait,) = reduction.users
+        wait.replace_all_uses_with(amax)
+        graph.erase_node(wait)
+        graph.erase_node(reduction)
+    new_nodes = [n for n in graph.nodes if n not in before]
+    for node in new_nodes:
+        node.meta["mfsdp_float8_scale"] = True
+    return new_nodes
+
+
 def _replace(graph: fx.Graph, members: list[fx.Node], outputs: list[fx.Node]) -> None:
     """Members' results now come from the bucket: drop each member, its wait and its folded
     cast (nodes this backend made)."""
@@ -177,6 +201,14 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     make (a user's, an all-reduce) are left alone. The graph stays topologically sorted; the
     placement of collectives and waits is ``schedule_collectives``'s job.
     """
+    amax_reductions: dict[int, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.meta.get("mfsdp_amax"):
+            amax_reductions[plan.bucket_of(node.meta["mfsdp_param_id"]).index].append(node)
+    for index, reductions in amax_reductions.items():
+        merged = _merge_amax_reductions(gm, reductions) if len(reductions) > 1 else reductions
+        for node in merged:
+            node.meta["mfsdp_bucket"] = index
     for (kind, index), nodes in _members(gm, plan).items():
         if len(nodes) == 1:
             (collective,) = nodes
@@ -190,8 +222,12 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             new_nodes, outputs = _merge_gathers(gm.graph, nodes)
         else:
             new_nodes, outputs = _merge_scatters(gm.graph, nodes)
+        carried = {n.meta.get("mfsdp_float8") for n in nodes}
         _replace(gm.graph, nodes, outputs)
         _tag(new_nodes, outputs, index, param_ids)
+        if len(carried) == 1 and None not in carried:  # float8 bytes, moved as uint8
+            (collective,) = (n for n in new_nodes if is_collective(n))
+            collective.meta["mfsdp_float8"] = carried.pop()
     # A merged reduce-scatter stands after its last member: earlier members' tails move after it.
     stable_topological_sort(gm.graph)
     return finish(gm)

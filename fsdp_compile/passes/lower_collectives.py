@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fsdp_compile.float8 import cast_node, scale_nodes
 from fsdp_compile.fx_utils import call, finish
 from fsdp_compile.patterns import (
     ALL_GATHER,
     ALL_REDUCE,
     REDUCE_SCATTER,
     WAIT,
+    is_float8_cast,
     is_marker,
     is_reduce_grad,
     is_unshard,
@@ -54,6 +56,38 @@ def _lower_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Nod
     return _first_rows(graph, waited, param.global_shape[0])
 
 
+def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> None:
+    """The marker and the float8 casts reading it become one float8 gather of the shard, cast
+    with the whole weight's scale (see NOTE: float8 gathers, in fsdp_compile/float8.py)."""
+    casts = list(marker.users)
+    assert casts and all(is_float8_cast(c) for c in casts), f"float8 weight {param.fqn} read uncast"
+    _, dtype, round_scales = casts[0].args
+    # Padding rows are zeros: they leave the max alone, and give an empty shard a max.
+    padded = _pad_rows(graph, marker.args[0], param.padded_rows)
+
+    def reduce_amax(local: fx.Node) -> fx.Node:
+        reduction = call(graph, ALL_REDUCE, local, "max", param.group_name)
+        reduction.meta["mfsdp_amax"] = True  # bucket_collectives merges a bucket's
+        return call(graph, WAIT, reduction)
+
+    before = set(graph.nodes)
+    scale = scale_nodes(graph, padded, dtype, round_scales, reduce_amax)
+    for node in set(graph.nodes) - before:
+        # The scale's chain (its all-reduce included) is issued with the gather it feeds.
+        node.meta["mfsdp_float8_scale"] = True
+    data = cast_node(graph, padded, scale, dtype)
+    # gloo and NCCL move no float8 type: the bytes travel as uint8.
+    gathered = call(graph, ALL_GATHER, call(graph, aten.view.dtype, data, torch.uint8), param.world, param.group_name)
+    gathered.meta["mfsdp_float8"] = dtype
+    rows = _first_rows(graph, call(graph, WAIT, gathered), param.global_shape[0])
+    full = call(graph, aten.view.dtype, rows, dtype)
+    for cast in casts:
+        for item in list(cast.users):
+            item.replace_all_uses_with((full, scale)[item.args[1]])
+            graph.erase_node(item)
+        graph.erase_node(cast)
+
+
 def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
     grad = _cast(graph, marker.args[0], param.reduce_dtype)
     pending = marker.args[1]
@@ -93,7 +127,10 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         param = plan.param(marker_param_id(marker))
         before = set(gm.graph.nodes)
         with gm.graph.inserting_before(marker):
-            if is_unshard(marker):
+            if is_unshard(marker) and param.float8_dtype:
+                _lower_float8_unshard(gm.graph, marker, param)
+                lowered = None
+            elif is_unshard(marker):
                 lowered = _lower_unshard(gm.graph, marker, param)
             else:
                 assert is_reduce_grad(marker)
@@ -104,11 +141,12 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         inherited["mfsdp_param_id"] = param.param_id
         for node in set(gm.graph.nodes) - before:
             node.meta.update(inherited)
-        marker.replace_all_uses_with(lowered)
+        if lowered is not None:
+            marker.replace_all_uses_with(lowered)
         gm.graph.erase_node(marker)
     return finish(gm)
 
 
 def check_lower_collectives(gm: fx.GraphModule, plan: Plan) -> None:
-    left = [n.format_node() for n in gm.graph.nodes if is_marker(n)]
+    left = [n.format_node() for n in gm.graph.nodes if is_marker(n) or is_float8_cast(n)]
     assert not left, f"markers left after lowering: {left}"

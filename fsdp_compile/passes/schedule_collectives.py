@@ -98,8 +98,10 @@ def _group(collective: fx.Node, plan: Plan, claimed: set[fx.Node]) -> tuple[set,
         node = candidates.pop()
         if node in claimed or node in issue:
             continue
-        # A view of a shard may also be saved for backward: it moves anyway, being free.
-        if all(u in issue for u in node.users) or _views_placeholder(node):
+        # A view of a shard may also be saved for backward: it moves anyway, being free; a
+        # float8 scale also feeds the matmul, yet its chain must precede the cast it scales.
+        moves = _views_placeholder(node) or node.meta.get("mfsdp_float8_scale", False)
+        if all(u in issue for u in node.users) or moves:
             issue.add(node)
             candidates.extend(n for n in node.all_input_nodes if feeds(n))
     (wait,) = collective.users

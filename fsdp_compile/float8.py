@@ -1,0 +1,192 @@
+"""Float8 weights gathered in float8: torchao's float8 linears under fully_shard.
+
+A model converted with ``torchao.float8.convert_to_float8_training(model,
+config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))`` holds each converted linear's
+weight as a ``WeightWithDynamicFloat8CastTensor`` around its fp32 master. ``fully_shard``
+shards the master itself (the optimizer, ``state_dict`` and DCP see plain fp32 shards) and
+keeps what the cast needs in ``Float8Gather``; reading the weight returns a
+``Float8TrainingTensor``, which the float8 linear multiplies without casting it again.
+
+NOTE: float8 gathers
+    The scale is torchao's tensorwise dynamic scale of the *whole* weight, computed from the
+    max over every shard in the step that uses it: each rank takes the max of ``abs`` of its
+    shard, one all-reduce (MAX) per bucket agrees on the weight's amax, and every rank
+    computes the same scale. Then each rank casts its own shard to float8 and the all-gather
+    moves float8 bytes (half of bf16's; as ``uint8``, the type gloo and NCCL move), and the
+    gathered bytes and the scale make the ``Float8TrainingTensor``. The max is exact, so the
+    gathered weight is bit for bit the one the unsharded float8 model casts.
+
+    Why not torchao's other choice, a scale precomputed after the optimizer step
+    (``precompute_float8_dynamic_scale_for_fsdp``): it is a call the user must remember
+    after every step (forgotten, the weights are cast with stale scales, silently), it runs
+    outside the compiled step, and it needs its own all-reduce anyway. In the graph the
+    amax all-reduce is a few bytes per bucket, issued with the bucket's gather.
+
+    Traced, a read is ``unshard`` (the marker, in the stored dtype) then ``float8_cast``
+    (below); ``lower_collectives`` turns the pair into the amax all-reduce, the cast of the
+    shard and the float8 gather. Run eagerly (no compiler) the marker gathers the stored
+    dtype and the cast follows: the same numbers, more bytes on the wire. The gradient goes
+    straight through the cast (torchao's convention) to the marker, whose backward reduces
+    it as for any parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from fsdp_compile.errors import UsageError
+
+__all__ = ["Float8Gather", "float8_gather_of", "is_float8_weight", "master_weight", "float8_weight", "scale_nodes", "cast_node", "float8_extra_missing"]
+
+# torch._scaled_mm takes operands whose both dims are multiples of 16.
+_SCALED_MM_MULTIPLE = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8Gather:
+    """How a float8 linear's weight is cast: torchao's settings for it."""
+
+    dtype: torch.dtype
+    """The float8 dtype of the gathered weight (``float8_e4m3fn`` by torchao's default)."""
+    round_scales_to_power_of_2: bool
+    """torchao's ``Float8LinearConfig.round_scales_to_power_of_2``."""
+    linear_mm_config: object
+    """torchao's ``LinearMMConfig`` for the weight's matmuls (a named tuple)."""
+
+
+def float8_extra_missing() -> str:
+    return (
+        "float8 training needs torchao: pip install 'fsdp_compile[float8]' "
+        "(or pip install torchao)."
+    )
+
+
+def is_float8_weight(param: object) -> bool:
+    """A weight torchao converted for float8 all-gather (none exists without torchao)."""
+    if type(param).__name__ != "WeightWithDynamicFloat8CastTensor":  # no import for the rest
+        return False
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return isinstance(param, WeightWithDynamicFloat8CastTensor)
+
+
+def float8_gather_of(module: nn.Module, name: str, param: nn.Parameter, strategy: str) -> Float8Gather | None:
+    """The float8 record of ``module.<name>`` when it is a weight torchao converted for float8
+    all-gather, else None. Raises ``UsageError`` where it cannot be gathered in float8."""
+    if not is_float8_weight(param):
+        return None
+    where = f"{type(module).__name__}.{name}"
+    if strategy == "no_shard":
+        raise UsageError(
+            f"{where} is a float8 weight (enable_fsdp_float8_all_gather=True), but "
+            "strategy='no_shard' gathers nothing: use a sharded strategy, or convert with "
+            "Float8LinearConfig(enable_fsdp_float8_all_gather=False)."
+        )
+    if param.ndim != 2 or any(size % _SCALED_MM_MULTIPLE for size in param.shape):
+        raise UsageError(
+            f"{where} has shape {tuple(param.shape)}; the float8 matmul (torch._scaled_mm) "
+            f"takes weights whose dims are multiples of {_SCALED_MM_MULTIPLE}. Leave this "
+            "linear out of the conversion (convert_to_float8_training(..., module_filter_fn=...))."
+        )
+    config = getattr(module, "config", None)
+    return Float8Gather(
+        dtype=param._dtype,
+        round_scales_to_power_of_2=bool(getattr(config, "round_scales_to_power_of_2", False)),
+        linear_mm_config=param._linear_mm_config,
+    )
+
+
+def master_weight(param: nn.Parameter) -> Tensor:
+    """The fp32 master a float8 weight wraps (what is sharded and saved)."""
+    return param._tensor
+
+
+def _scale(amax: Tensor, dtype: torch.dtype, round_scales_to_power_of_2: bool) -> Tensor:
+    from torchao.float8.float8_utils import amax_to_scale
+
+    return amax_to_scale(amax, dtype, round_scales_to_power_of_2)
+
+
+def _cast(tensor: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    # As torchao's _ToFloat8ConstrFunc: upcast, scale, saturate.
+    from torchao.float8.float8_utils import to_fp8_saturated
+
+    return to_fp8_saturated(tensor.to(torch.float32) * scale, dtype)
+
+
+def _amax(tensor: Tensor) -> Tensor:
+    from torchao.float8.float8_utils import tensor_to_amax
+
+    return tensor_to_amax(tensor)
+
+
+@torch.library.custom_op("fsdp_compile::float8_cast", mutates_args=())
+def float8_cast(weight: Tensor, dtype: torch.dtype, round_scales_to_power_of_2: bool) -> tuple[Tensor, Tensor]:
+    """The whole ``weight`` cast to float8 with torchao's tensorwise dynamic scale:
+    ``(data, scale)``. Traced, it follows the ``unshard`` marker, and lower_collectives casts
+    the shard before the gather instead (see NOTE: float8 gathers)."""
+    scale = _scale(_amax(weight), dtype, round_scales_to_power_of_2)
+    return _cast(weight, scale, dtype), scale
+
+
+@float8_cast.register_fake
+def _(weight, dtype, round_scales_to_power_of_2):
+    return weight.new_empty(weight.shape, dtype=dtype), weight.new_empty((), dtype=torch.float32)
+
+
+FLOAT8_CAST = torch.ops.fsdp_compile.float8_cast.default
+
+
+class _Float8Weight(torch.autograd.Function):
+    """The gathered weight as torchao's ``Float8TrainingTensor``; the gradient passes straight
+    through to the gathered high-precision weight (torchao's convention for its casts)."""
+
+    @staticmethod
+    def forward(ctx, gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype):
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        data, scale = float8_cast(gathered, cast.dtype, cast.round_scales_to_power_of_2)
+        return Float8TrainingTensor(data, scale, orig_dtype, cast.linear_mm_config, GemmInputRole.WEIGHT)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None, None
+
+
+def float8_weight(gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype) -> Tensor:
+    """``gathered`` (the marker's output, stored dtype) as a float8 weight whose matmuls
+    compute in ``orig_dtype``."""
+    return _Float8Weight.apply(gathered, cast, orig_dtype)
+
+
+def scale_nodes(graph, shard, dtype: torch.dtype, round_scales_to_power_of_2: bool, reduce_amax):
+    """Insert, at ``graph``'s insert point, the scale of the whole weight computed from this
+    rank's (padded) ``shard``: the local amax, ``reduce_amax(local)`` (which inserts the
+    all-reduce and returns the agreed amax), torchao's scale of it. Returns the scale's node.
+    The arithmetic is torchao's own functions, traced (``make_fx``), so the compiled cast is
+    the eager one's."""
+    amax = reduce_amax(_inline(graph, _amax, shard))
+    return _inline(graph, lambda a: _scale(a, dtype, round_scales_to_power_of_2), amax)
+
+
+def cast_node(graph, shard, scale, dtype: torch.dtype):
+    """Insert the float8 cast of ``shard`` with ``scale`` (torchao's, traced)."""
+    return _inline(graph, lambda t, s: _cast(t, s, dtype), shard, scale)
+
+
+def _inline(graph, fn, *nodes):
+    """``fn`` traced on the nodes' fake values and its ops copied into ``graph``; the node of
+    its single result."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    vals = [n.meta["val"] for n in nodes]
+    # Decomposed as AOTAutograd decomposes what Inductor gets: the passes run after it.
+    with detect_fake_mode(vals):
+        traced = make_fx(fn, decomposition_table=select_decomp_table())(*vals)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    return graph.graph_copy(traced.graph, dict(zip(placeholders, nodes)))
