@@ -118,6 +118,19 @@ def fake_process_group(world: int, rank: int = 0):
         dist.destroy_process_group()
 
 
+def compile_one_step(model, cfg: TransformerConfig, *, rank: int = 0, dynamic: bool | None = None, **options):
+    """The one compiled graph of one training step: ``model`` (already sharded, on the current
+    process group) compiled with the eager runner and ``options``, run forward and backward on
+    ``rank``'s 2 x 8 batch of step 0. Fails unless the step compiled to exactly one graph."""
+    from fsdp_compile import MfsdpBackend
+
+    backend = MfsdpBackend(compiler="eager", **options)
+    tokens, targets = make_batch(cfg, 2, 8, 0, rank)
+    loss_fn(torch.compile(model, backend=backend, dynamic=dynamic)(tokens), targets).backward()
+    (graph,) = backend.graphs
+    return graph
+
+
 def moe_config(*, fused: bool, **overrides) -> TransformerConfig:
     """One MoE block, 4 experts marked expert-parallel, no token dropped (capacity factor 2
     with top-2 of 4: per-rank routing equals the reference's global routing)."""

@@ -4,13 +4,12 @@ parameter is kept from forward to backward across a checkpointed block."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile import fully_shard
+from fsdp_compile.testing.models import TransformerConfig
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives
-from harness import assert_parity, build_model, fake_process_group, parity_run, spawn
+from harness import assert_parity, build_model, compile_one_step, fake_process_group, parity_run, spawn
 
 CHECKPOINTED = TransformerConfig(checkpoint_blocks=True)
 
@@ -28,11 +27,7 @@ def test_no_gathered_parameter_is_saved_across_a_checkpointed_block(world):
     the block inputs and the root's kept parameters (NOTE: the reshard default) cross from
     forward to backward."""
     with fake_process_group(world):
-        model = fully_shard(build_model(CHECKPOINTED))
-        backend = MfsdpBackend(compiler="eager")
-        tokens, targets = make_batch(CHECKPOINTED, 2, 8, 0, 0)
-        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
-    (graph,) = backend.graphs
+        graph = compile_one_step(fully_shard(build_model(CHECKPOINTED)), CHECKPOINTED)
     kept = {p.param_id for p in graph.plan.params if not p.reshard_after_forward}
     assert {graph.plan.param(i).fqn for i in kept} == {"embed.weight", "pos", "norm.weight"}
     assert set(saved_gathered_params(graph.forward)) <= kept

@@ -9,7 +9,7 @@ import torch
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.buckets import plan_buckets
 from fsdp_compile.errors import CompileUsageError
-from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig
 from fsdp_compile.passes import (
     check_schedule_collectives,
     gather_lifetimes,
@@ -20,6 +20,7 @@ from fsdp_compile.patterns import bucket_index, count_collectives, is_collective
 from fsdp_compile.plan import BackendOptions, ParamPlan
 from harness import (
     build_model,
+    compile_one_step,
     fake_process_group,
     full_parameters,
     max_param_error,
@@ -44,11 +45,7 @@ def _compile_step(cfg=CFG, *, per_block_units=False, reshard_after_forward=True,
         for block in model.layers:
             fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
-    backend = MfsdpBackend(compiler="eager", **options)
-    tokens, targets = make_batch(cfg, 2, 8, 0)
-    loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
-    (graph,) = backend.graphs
-    return graph
+    return compile_one_step(model, cfg, **options)
 
 
 @pytest.mark.parametrize("per_block_units", [False, True], ids=["root-only", "per-block"])
@@ -292,10 +289,7 @@ def _sequences_per_rank(cfg, world, **shard_options) -> list[list[tuple]]:
         with fake_process_group(world, rank):
             bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             model = fully_shard(build_model(cfg), mp_policy=bf16, **with_meshes(shard_options))
-            backend = MfsdpBackend(compiler="eager")
-            tokens, targets = make_batch(cfg, 2, 8, 0, rank)
-            loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
-        (graph,) = backend.graphs
+            graph = compile_one_step(model, cfg, rank=rank)
         sequences.append(_collective_sequence(graph))
     return sequences
 

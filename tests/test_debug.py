@@ -7,14 +7,13 @@ from importlib import resources
 
 import jsonschema
 import pytest
-import torch
 from matplotlib import pyplot as plt
 
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.testing.models import TransformerConfig, make_batch
 from fsdp_compile.patterns import count_collectives, is_collective, is_wait
-from harness import build_model, fake_process_group
+from harness import build_model, compile_one_step, fake_process_group
 
 
 def _schema(name: str) -> dict:
@@ -24,11 +23,7 @@ def _schema(name: str) -> dict:
 def _dump_step(tmp_path, **options):
     cfg = TransformerConfig()
     with fake_process_group(8):
-        model = fully_shard(build_model(cfg))
-        backend = MfsdpBackend(compiler="eager", **options)
-        tokens, targets = make_batch(cfg, 2, 8, 0)
-        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
-    (graph,) = backend.graphs
+        graph = compile_one_step(fully_shard(build_model(cfg)), cfg, **options)
     (folder,) = (tmp_path / "rank0").glob("graph_*")
     return graph, folder
 

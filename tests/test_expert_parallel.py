@@ -22,6 +22,7 @@ from harness import (
     EP_WORLD,
     assert_parity,
     build_model,
+    compile_one_step,
     fake_process_group,
     moe_config,
     parity_run,
@@ -183,10 +184,7 @@ def _compiled_step(cfg, *, cuda_graph=False, **shard_options):
     """One compiled forward/backward on rank 0 of the fake world-4 group: (model, graph)."""
     with fake_process_group(WORLD):
         model = fully_shard(build_model(cfg), expert_mesh=expert_mesh("cpu", EP), **shard_options)
-        backend = MfsdpBackend(compiler="eager", cuda_graph=cuda_graph)
-        tokens, targets = make_batch(cfg, 2, 8, 0)
-        loss_fn(torch.compile(model, backend=backend, dynamic=False)(tokens), targets).backward()
-    (graph,) = backend.graphs
+        graph = compile_one_step(model, cfg, dynamic=False, cuda_graph=cuda_graph)
     return model, graph
 
 

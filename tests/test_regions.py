@@ -21,6 +21,7 @@ from fsdp_compile.regions import is_region
 from harness import (
     assert_parity,
     build_model,
+    compile_one_step,
     fake_process_group,
     full_parameters,
     parity_run,
@@ -40,10 +41,7 @@ def _calls(gm) -> list[str]:
 def _compiled_step(cfg=CFG, world=8, **options):
     with fake_process_group(world):
         model = fully_shard(build_model(cfg))
-        backend = MfsdpBackend(compiler="eager", **options)
-        tokens, targets = make_batch(cfg, 2, 8, 0)
-        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
-    (graph,) = backend.graphs
+        graph = compile_one_step(model, cfg, **options)
     return model, graph
 
 

@@ -24,6 +24,7 @@ from harness import (
     accumulate_run,
     assert_parity,
     build_model,
+    compile_one_step,
     fake_process_group,
     parity_run,
     persistent_bytes,
@@ -64,10 +65,7 @@ def _compiled_step(world, rank=0, mesh_shape=None, **shard_options):
         model = fully_shard(build_model(cfg), mesh=mesh, **shard_options)
         # Per-parameter collectives: the counts below are per parameter; bucketing has its
         # own tests (test_bucketing.py), and parity here runs with it on.
-        backend = MfsdpBackend(compiler="eager", bucketing=False)
-        tokens, targets = make_batch(cfg, 2, 8, 0, 0)
-        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
-    (graph,) = backend.graphs
+        graph = compile_one_step(model, cfg, bucketing=False)
     return model, graph
 
 

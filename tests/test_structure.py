@@ -8,20 +8,16 @@ import math
 import pytest
 import torch
 
-from fsdp_compile import MfsdpBackend, fully_shard, shard_info
-from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile import fully_shard, shard_info
+from fsdp_compile.testing.models import TransformerConfig
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import ALL_GATHER, count_collectives
-from harness import build_model, fake_process_group, moe_config, with_meshes
+from harness import build_model, compile_one_step, fake_process_group, moe_config, with_meshes
 
 
 def _compile_step(cfg: TransformerConfig, reshard_after_forward: bool, **options):
     model = fully_shard(build_model(cfg), reshard_after_forward=reshard_after_forward)
-    backend = MfsdpBackend(compiler="eager", **options)
-    tokens, targets = make_batch(cfg, 2, 8, 0)
-    loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
-    (graph,) = backend.graphs
-    return model, graph
+    return model, compile_one_step(model, cfg, **options)
 
 
 @pytest.mark.parametrize("world", [8, 64, 1024])
@@ -134,12 +130,7 @@ def _normalised_plan(graph) -> str:
 def _trace(cfg, world, **shard_options):
     torch._dynamo.reset()
     with fake_process_group(world):
-        model = fully_shard(build_model(cfg), **with_meshes(shard_options))
-        backend = MfsdpBackend(compiler="eager")
-        tokens, targets = make_batch(cfg, 2, 8, 0)
-        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
-    (graph,) = backend.graphs
-    return graph
+        return compile_one_step(fully_shard(build_model(cfg), **with_meshes(shard_options)), cfg)
 
 
 def test_a_plan_does_not_depend_on_what_the_process_traced_before():
@@ -175,10 +166,7 @@ def test_default_runs_no_more_collectives_than_fsdp2(wrapping):
             for layer in model.layers:
                 fully_shard(layer)
         fully_shard(model)
-        backend = MfsdpBackend(compiler="eager")
-        tokens, targets = make_batch(cfg, 2, 8, 0)
-        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
-    (graph,) = backend.graphs
+        graph = compile_one_step(model, cfg)
     forward, backward = (count_collectives(g.graph) for g in (graph.forward, graph.backward))
     assert forward["all_gather"] + backward["all_gather"] == 7
     assert backward["reduce_scatter"] == 4
