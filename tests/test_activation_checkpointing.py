@@ -14,12 +14,14 @@ from harness import assert_parity, build_model, compile_one_step, fake_process_g
 CHECKPOINTED = TransformerConfig(checkpoint_blocks=True)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
 def test_checkpointed_blocks_train_to_parity(strategy):
     results = spawn(parity_run, 2, cfg=CHECKPOINTED, modes=("none", "eager"), strategy=strategy)
     assert_parity(results)
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("world", [8, 64])
 def test_no_gathered_parameter_is_saved_across_a_checkpointed_block(world):
     """ZeRO-3 with checkpointed blocks: the forward returns no gathered block parameter (nor a

@@ -26,6 +26,7 @@ def _run_bench(json_path, *, preset="tiny", modes=MODES, where=("--world-size", 
     return json.loads(json_path.read_text())
 
 
+@pytest.mark.multirank
 def test_bench_cli_runs_every_mode_with_matching_losses(tmp_path):
     """Every mode times real steps and counts its collectives, and all train the same model
     on the same data: a mode that built another model, fed other data or lost a gradient
@@ -66,6 +67,7 @@ def test_bench_cli_runs_every_mode_with_matching_losses(tmp_path):
         assert relative < 1e-4, f"{mode} step-0 loss {r['loss_step0']} vs fsdp2 {reference}"
 
 
+@pytest.mark.structure
 def test_hf_preset_as_one_rank_of_a_fake_world(tmp_path):
     """``--fake-world 4`` runs this process alone as rank 0 of 4 on the fake process group,
     and an HF Llama built on the meta device is materialised per rank: both FSDP2 + compile

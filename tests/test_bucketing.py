@@ -48,6 +48,7 @@ def _compile_step(cfg=CFG, *, per_block_units=False, reshard_after_forward=True,
     return compile_one_step(model, cfg, **options)
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("per_block_units", [False, True], ids=["root-only", "per-block"])
 @pytest.mark.parametrize("world", [8, 64])
 def test_two_all_gathers_and_one_reduce_scatter_per_bucket(world, per_block_units):
@@ -68,6 +69,7 @@ def test_two_all_gathers_and_one_reduce_scatter_per_bucket(world, per_block_unit
     assert saved_gathered_params(graph.forward) == []
 
 
+@pytest.mark.structure
 def test_keep_gathered_buckets_save_their_members_and_never_regather():
     """reshard_after_forward=False: the bucketed forward saves each member's copy-out (not the
     bucket buffer) and the backward has no all-gather at all."""
@@ -91,6 +93,7 @@ def _param(
     )
 
 
+@pytest.mark.structure
 def test_buckets_never_mix_groups_dtypes_or_strategies_and_respect_the_byte_cap():
     """Within one block a dtype or group change starts a new bucket; a cap splits a block
     greedily, and a parameter above the cap sits alone."""
@@ -125,6 +128,7 @@ def test_buckets_never_mix_groups_dtypes_or_strategies_and_respect_the_byte_cap(
     ]
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("prefetch", [1, 2])
 @pytest.mark.parametrize("world", [8, 64])
 def test_waits_sit_at_first_use_and_prefetch_distance_holds(world, prefetch):
@@ -156,6 +160,7 @@ def _costs_flops(node) -> bool:
     return _node_flops(node) > 0
 
 
+@pytest.mark.structure
 def test_max_inflight_bytes_shortens_prefetch_and_is_never_exceeded():
     """A bound between the unprefetched and the prefetched peak: the pass shortens prefetch
     where needed and the gathered bytes alive at any node stay under the bound; a bound below
@@ -181,6 +186,7 @@ def test_max_inflight_bytes_shortens_prefetch_and_is_never_exceeded():
     assert 2 in distances and any(d < 2 for d in distances[1:])
 
 
+@pytest.mark.structure
 def test_check_rejects_a_missing_prefetch_and_an_early_wait():
     """The postcondition is not vacuous: a gather moved down to its bucket's first use, or a
     wait moved up to its collective (compute then runs between wait and use), fails
@@ -203,6 +209,7 @@ def test_check_rejects_a_missing_prefetch_and_an_early_wait():
         check_schedule_collectives(gm, plan)
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize(
     "options, fix",
     [
@@ -243,6 +250,7 @@ def _bucketed_vs_unbucketed(rank, world, *, cfg, variants, steps=3):
     return results
 
 
+@pytest.mark.multirank
 def test_bucketed_training_equals_unbucketed_on_two_gloo_ranks():
     """World 2, real gloo: per-parameter and bucketed with prefetch 2 under a byte bound both
     train to the reference within 1e-5, the bucketed run gives exactly the per-parameter
@@ -294,6 +302,7 @@ def _sequences_per_rank(cfg, world, **shard_options) -> list[list[tuple]]:
     return sequences
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize(
     "cfg,shard_options",
     [

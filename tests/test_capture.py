@@ -22,12 +22,14 @@ STEPS = 5
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+@pytest.mark.structure
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_capture_step_without_cuda_says_so():
     with pytest.raises(UsageError, match="needs a CUDA device"):
         capture_step(lambda x: x, torch.zeros(1))
 
 
+@pytest.mark.structure
 def test_capture_step_needs_a_warmup():
     with pytest.raises(ValueError, match="warmup_steps >= 1"):
         capture_step(lambda x: x, torch.zeros(1), warmup_steps=0)
@@ -52,6 +54,7 @@ def _train_losses(rank, world, *, cfg: TransformerConfig, mp: bool, captured: bo
     return losses
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
     "cfg, mp",

@@ -23,6 +23,7 @@ from harness import (
 )
 
 
+@pytest.mark.multirank
 def test_save_on_4_load_on_2_and_1_resumes_the_same_losses(tmp_path):
     cfg = TransformerConfig()
     path = str(tmp_path / "ckpt")
@@ -42,6 +43,7 @@ NEXT_STRATEGY = {
 }
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", sorted(NEXT_STRATEGY))
 def test_every_strategy_saves_on_4_and_resumes_on_2_under_another(tmp_path, strategy):
     cfg = TransformerConfig(n_layers=2)
@@ -51,6 +53,7 @@ def test_every_strategy_saves_on_4_and_resumes_on_2_under_another(tmp_path, stra
     assert relative_error(resumed, uninterrupted) < 1e-5, (resumed, uninterrupted)
 
 
+@pytest.mark.structure
 def test_state_dict_holds_shards_with_global_shapes():
     from torch.distributed.tensor import DTensor
 
@@ -80,6 +83,7 @@ def _save_then_load_other_shapes(rank, world, *, path):
     return "loaded"
 
 
+@pytest.mark.multirank
 def test_loading_a_checkpoint_of_other_shapes_fails_on_every_rank(tmp_path):
     """DCP checks shapes while planning the load, before any data moves: every rank raises
     (``CheckpointException``, carrying each rank's error) naming the mismatched entry."""

@@ -78,6 +78,7 @@ EXPERT_CASES = {
 }
 
 
+@pytest.mark.multirank
 def test_clip_over_dense_and_expert_meshes_matches_the_reference():
     """EP 2 x edp 2, both expert forms, with and without efsdp, uncompiled and compiled, 2-norm
     and inf-norm: the norm covers every expert once (ModuleList experts summed over the EP
@@ -98,12 +99,14 @@ DENSE_CASES = {
 }
 
 
+@pytest.mark.multirank
 def test_clip_on_one_mesh_matches_the_reference_for_every_strategy():
     """One mesh (each strategy, and HSDP 2 x 2): the same result as torch's clip on the
     reference, where torch's clip would work as well."""
     _assert_small(spawn(_clip_errors, WORLD, cases=DENSE_CASES))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
 def test_expert_parallel_training_with_clipping_keeps_parity(fused):
     """Clipping every step, 3 steps of AdamW, compiled: same losses and weights as the
@@ -114,6 +117,7 @@ def test_expert_parallel_training_with_clipping_keeps_parity(fused):
     assert_parity(results)
 
 
+@pytest.mark.structure
 def test_clip_misuse_is_named():
     with pytest.raises(TypeError, match="pass model.parameters"):
         clip_grad_norm_(nn.Linear(2, 2), 1.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -20,6 +21,8 @@ from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.backend import _Partitioner
 from fsdp_compile.testing.models import TransformerConfig
 from harness import build_model, rank_batches, spawn, train
+
+pytestmark = pytest.mark.multirank
 
 
 def _cache_counters() -> dict[str, int]:

@@ -13,6 +13,8 @@ from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import CudaGraphIncompatible, GraphBreakUnderCudaGraph, check_cuda_graph
 from harness import build_model, fake_process_group
 
+pytestmark = pytest.mark.structure
+
 aten = torch.ops.aten
 
 

@@ -15,6 +15,8 @@ from fsdp_compile.testing.models import TransformerConfig, make_batch
 from fsdp_compile.patterns import count_collectives, is_collective, is_wait
 from harness import build_model, compile_one_step, fake_process_group
 
+pytestmark = pytest.mark.structure
+
 
 def _schema(name: str) -> dict:
     return json.loads(resources.files("fsdp_compile").joinpath(f"schemas/{name}").read_text())

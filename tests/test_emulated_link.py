@@ -62,6 +62,7 @@ _PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.structure
 def test_a_collective_takes_its_modeled_time_and_compute_hides_it():
     """An all-gather waited on at once blocks for the ring alpha-beta time of its bytes (the
     simulator's model); one overlapped with longer compute blocks for nothing; two issued
@@ -80,6 +81,7 @@ def test_a_collective_takes_its_modeled_time_and_compute_hides_it():
     assert r["queued"][0] >= 2 * modeled, r
 
 
+@pytest.mark.structure
 def test_the_bench_measures_exposed_communication_on_an_emulated_link(tmp_path):
     """``--fake-world 4 --emulate-link ib``: every mode reports the time its step blocked on
     the link, and the census comes from the link itself (a Python group's collectives
@@ -132,6 +134,7 @@ _CUDA_PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA link runs on a GPU")
 def test_on_cuda_the_compute_stream_waits_the_modeled_time():
     """CUDA: the collective is a sleep kernel on a communication stream and ``wait()`` makes

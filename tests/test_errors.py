@@ -15,6 +15,7 @@ from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import build_model, fake_process_group, spawn
 
 
+@pytest.mark.structure
 def test_fully_shard_twice_on_one_module_is_rejected():
     with fake_process_group(2):
         model = fully_shard(nn.Linear(4, 4))
@@ -22,6 +23,7 @@ def test_fully_shard_twice_on_one_module_is_rejected():
             fully_shard(model)
 
 
+@pytest.mark.structure
 def test_submodules_first_then_root_is_accepted_as_units():
     """FSDP2-style nesting: each call is a unit, tied parameters across units shard once."""
     with fake_process_group(2):
@@ -35,6 +37,7 @@ def test_submodules_first_then_root_is_accepted_as_units():
         assert model.head._parameters["weight"] is model.embed._parameters["weight"]
 
 
+@pytest.mark.structure
 def test_parameters_on_two_devices_are_rejected():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
     with fake_process_group(2):
@@ -42,11 +45,13 @@ def test_parameters_on_two_devices_are_rejected():
             fully_shard(model)
 
 
+@pytest.mark.structure
 def test_no_process_group_and_no_mesh_is_rejected():
     with pytest.raises(ValueError, match="init_process_group"):
         fully_shard(nn.Linear(4, 4))
 
 
+@pytest.mark.structure
 def test_non_floating_parameter_is_rejected():
     model = nn.Linear(4, 4)
     model.steps = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
@@ -55,6 +60,7 @@ def test_non_floating_parameter_is_rejected():
             fully_shard(model)
 
 
+@pytest.mark.structure
 def test_unknown_backend_option_is_rejected():
     with pytest.raises(ValueError, match="unknown mfsdp option"):
         MfsdpBackend(bucket_sise=1)
@@ -64,6 +70,7 @@ def test_unknown_backend_option_is_rejected():
             model(torch.randn(2, 4))
 
 
+@pytest.mark.structure
 def test_compiling_an_unsharded_model_says_to_call_fully_shard():
     """Decision (docs/design.md): an error, not a silent per-rank replica."""
     model = torch.compile(nn.Linear(4, 4), backend="mfsdp", options={"compiler": "eager"})
@@ -71,10 +78,12 @@ def test_compiling_an_unsharded_model_says_to_call_fully_shard():
         model(torch.randn(2, 4))
 
 
+@pytest.mark.structure
 def test_usage_errors_are_value_errors():
     assert issubclass(UsageError, ValueError)
 
 
+@pytest.mark.structure
 def test_backend_registered_through_entry_point_without_import():
     """torch.compile(backend="mfsdp") resolves in a script that never imports fsdp_compile."""
     script = (
@@ -114,6 +123,7 @@ def _compile_rank_dependent(rank, world):
     return "no error"
 
 
+@pytest.mark.multirank
 def test_ranks_tracing_different_collectives_all_raise():
     """A rank-dependent branch is found at compile time, before any collective, on every rank."""
     messages = spawn(_compile_rank_dependent, 2)
@@ -130,6 +140,7 @@ def _compile_uneven_batches(rank, world):
     return float(loss)
 
 
+@pytest.mark.multirank
 def test_different_batch_sizes_are_not_a_mismatch():
     """Only collectives are compared: activation shapes may differ between ranks."""
     losses = spawn(_compile_uneven_batches, 2)

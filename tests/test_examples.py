@@ -29,6 +29,7 @@ def _torchrun(nproc: int, *args: str, cpu: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.multirank
 def test_moe_example_trains_on_4_cpu_ranks():
     """EP 2 x edp 2 on gloo, compiled with the eager runner: the loss falls."""
     result = _torchrun(4, "--steps", "6", cpu=True)
@@ -36,6 +37,7 @@ def test_moe_example_trains_on_4_cpu_ranks():
     assert result["last_loss"] < result["first_loss"], result
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (EP 2, one rank per GPU)")
 def test_moe_example_trains_on_gpus():
     result = _torchrun(torch.cuda.device_count(), "--steps", "6", cpu=False)

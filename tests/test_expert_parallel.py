@@ -34,6 +34,7 @@ from harness import (
 WORLD = EP_WORLD
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("shard_experts", [False, True], ids=["ep", "ep-efsdp"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
 def test_expert_parallel_trains_to_parity(fused, shard_experts):
@@ -79,6 +80,7 @@ def _grad_errors(rank, world, *, modes):
     return errors
 
 
+@pytest.mark.multirank
 def test_expert_gradients_are_averaged_over_the_whole_world():
     """``.grad`` of every parameter, experts included, equals the reference gradient: expert
     gradients summed over edp and divided by ep * edp (NOTE: expert gradient scale)."""
@@ -110,6 +112,7 @@ def _sharding(module: nn.Module) -> list:
     ]
 
 
+@pytest.mark.structure
 def test_renaming_modules_changes_nothing():
     """Expert ownership comes from ``expert_parallel_enabled``, so the experts' name (Megatron
     matched ``.experts.``) does not change how they are sharded."""
@@ -127,6 +130,7 @@ def test_renaming_modules_changes_nothing():
     assert shape == (4 // EP, 12, 8)  # a read returns this EP rank's experts only
 
 
+@pytest.mark.structure
 def test_unmarked_module_called_experts_is_sharded_like_any_other():
     """A module named ``experts`` without the mark is data-parallel like ``proj``."""
     with fake_process_group(WORLD):
@@ -140,6 +144,7 @@ def test_unmarked_module_called_experts_is_sharded_like_any_other():
 # ---- misuse: one ValueError naming the fix, before any collective --------------------------
 
 
+@pytest.mark.structure
 def test_marked_module_without_expert_mesh_is_rejected():
     with fake_process_group(WORLD):
         model = Toy("experts", marked=True)
@@ -148,12 +153,14 @@ def test_marked_module_without_expert_mesh_is_rejected():
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
 
+@pytest.mark.structure
 def test_ep_size_that_does_not_divide_the_world_is_rejected():
     with fake_process_group(WORLD):
         with pytest.raises(UsageError, match="expert parallel size 3 does not divide the world size 4"):
             expert_mesh("cpu", 3)
 
 
+@pytest.mark.structure
 def test_expert_mesh_not_spanning_the_world_is_rejected():
     with fake_process_group(WORLD):
         half = DeviceMesh("cpu", torch.arange(2).view(2, 1), mesh_dim_names=("ep", "edp"))
@@ -161,6 +168,7 @@ def test_expert_mesh_not_spanning_the_world_is_rejected():
             fully_shard(Toy("experts", marked=True), expert_mesh=half)
 
 
+@pytest.mark.structure
 def test_experts_not_divisible_by_ep_size_are_rejected():
     with fake_process_group(WORLD):
         model = Toy("experts", marked=True, n_experts=3)
@@ -168,6 +176,7 @@ def test_experts_not_divisible_by_ep_size_are_rejected():
             fully_shard(model, expert_mesh=expert_mesh("cpu", EP))
 
 
+@pytest.mark.structure
 def test_shard_experts_without_a_sharded_strategy_is_rejected():
     with fake_process_group(WORLD):
         with pytest.raises(UsageError, match="shard_experts=True shards experts over edp"):
@@ -198,6 +207,7 @@ def _expert_param_ids(model: nn.Module) -> set[int]:
     }
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("shard_experts", [False, True], ids=["ep", "ep-efsdp"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
 def test_no_expert_parameter_shares_a_group_with_a_dense_parameter(fused, shard_experts):
@@ -237,6 +247,7 @@ def test_no_expert_parameter_shares_a_group_with_a_dense_parameter(fused, shard_
     assert reduced == experts
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
 def test_expert_parallel_step_passes_the_cuda_graph_check(fused):
     """The dispatch is an all-to-all of equal splits: static shapes, no host sync, capturable."""
@@ -265,6 +276,7 @@ def _bytes_per_rank(*, strategy, ep_size=None, shard_experts=False) -> dict[str,
         return persistent_bytes(model, opt)
 
 
+@pytest.mark.structure
 def test_expert_parallel_with_mfsdp_holds_no_more_than_expert_parallel_alone():
     """Megatron-FSDP #2772: wrapping EP-owned experts in FSDP cost more memory than EP alone.
     Here EP + ZeRO-3 holds no more, per category, than EP with replicated dense parameters,
@@ -278,6 +290,7 @@ def test_expert_parallel_with_mfsdp_holds_no_more_than_expert_parallel_alone():
     assert sum(ep_mfsdp.values()) < 0.5 * sum(replicated.values())
 
 
+@pytest.mark.structure
 def test_marked_module_that_holds_no_experts_is_rejected():
     """Marked, but neither a ModuleList nor parameters stacked on one expert dim."""
     with fake_process_group(WORLD):
@@ -290,6 +303,7 @@ def test_marked_module_that_holds_no_experts_is_rejected():
 # ---- the grouped-GEMM path: torch._grouped_mm in bf16 (it runs on CPU in torch 2.13) ----------
 
 
+@pytest.mark.structure
 def test_grouped_expert_mlp_uses_grouped_mm_in_bf16_and_matches_fp32():
     """Aligned bf16 operands take ``torch._grouped_mm`` (2 calls forward, 4 backward); the
     results stay within bf16 rounding of the fp32 batched-matmul path."""
@@ -331,6 +345,7 @@ def _bf16_grouped_run(rank, world, *, cfg, steps):
     return relative_error(losses.float(), ref_losses), grouped
 
 
+@pytest.mark.multirank
 def test_expert_parallel_bf16_runs_grouped_mm_and_tracks_the_fp32_reference():
     """EP 2 x edp 2, bf16 compute, fused experts with 16-byte rows: the compiled graphs run
     ``aten._grouped_mm`` (forward and backward) and 10 steps stay within bf16 tolerance of the

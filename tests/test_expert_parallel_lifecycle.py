@@ -30,6 +30,8 @@ from harness import (
     train,
 )
 
+pytestmark = pytest.mark.multirank
+
 FORMS = pytest.mark.parametrize("fused", [True, False], ids=["fused-experts", "modulelist-experts"])
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import build_model, spawn
+
+pytestmark = pytest.mark.multirank
 
 PG_TIMEOUT = 15
 

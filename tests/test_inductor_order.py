@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
@@ -11,6 +12,8 @@ from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, make_batch
 from fsdp_compile.patterns import is_collective, is_wait
 from harness import build_model, fake_process_group
+
+pytestmark = pytest.mark.structure
 
 _ISSUE = re.compile(r"_c10d_functional\.(all_gather_into_tensor|all_gather_into_tensor_out|reduce_scatter_tensor)\.default\(")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\(")

@@ -20,6 +20,8 @@ from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.ops import STRATEGIES
 from harness import full_parameters, max_param_error, relative_error, spawn, train
 
+pytestmark = pytest.mark.multirank
+
 STEPS = 3
 
 

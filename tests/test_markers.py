@@ -10,6 +10,8 @@ import fsdp_compile.ops
 from fsdp_compile import fully_shard
 from harness import fake_process_group
 
+pytestmark = pytest.mark.structure
+
 
 def test_failing_gather_raises_instead_of_returning_the_shard(monkeypatch):
     """An AttributeError inside the property would make Python fall back to

@@ -402,6 +402,7 @@ def _check(api: str, layout: Layout, r: dict) -> None:
         raise AssertionError(f"no check for {api}")
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("api", list(APIS))
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_every_layout_works_with_every_api(layout_name, api):
@@ -410,6 +411,7 @@ def test_every_layout_works_with_every_api(layout_name, api):
         _check(api, LAYOUTS[layout_name], record[api]["ok"])
 
 
+@pytest.mark.structure
 def test_the_matrix_covers_every_strategy():
     """The layouts are every strategy (1-D), every sharded strategy on HSDP, and expert
     parallelism with and without efsdp: a new strategy cannot skip the matrix."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -27,6 +28,7 @@ def _meta_model(cfg):
         return Transformer(cfg)
 
 
+@pytest.mark.structure
 def test_materialising_a_meta_model_allocates_about_one_shard():
     """to_empty + init on the sharded model peaks near this rank's shard, not the model."""
     cfg = TransformerConfig(vocab=1024, dim=256, hidden=704, n_heads=4)
@@ -61,6 +63,7 @@ def _meta_then_load(rank, world, *, cfg):
     return relative_error(losses, ref_losses), error, worst
 
 
+@pytest.mark.multirank
 def test_meta_init_then_loaded_weights_train_to_parity():
     for loss_error, param_error, worst in spawn(_meta_then_load, 2, cfg=TransformerConfig()):
         assert loss_error < 1e-5 and param_error < 1e-5, (loss_error, param_error, worst)

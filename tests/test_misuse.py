@@ -12,6 +12,8 @@ from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.capture import _copy_into
 from harness import fake_process_group
 
+pytestmark = pytest.mark.structure
+
 
 def test_optimizer_built_before_fully_shard():
     """It would hold the replaced tensors and silently update nothing."""

@@ -24,6 +24,7 @@ from harness import (
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+@pytest.mark.structure
 def test_bf16_on_the_wire_fp32_reduction_fp32_grads():
     """Casts happen before the all-gather (bf16 collectives, forward and backward), gradients
     are reduce-scattered in fp32 and land as fp32 .grad next to the fp32 parameters."""
@@ -65,6 +66,7 @@ def _bf16_run(rank, world, *, cfg, modes, steps):
     return results
 
 
+@pytest.mark.multirank
 def test_bf16_training_tracks_the_fp32_reference():
     """20 steps in bf16 stay within bf16 tolerance of the fp32 unsharded run, compiled and not.
 
@@ -81,6 +83,7 @@ def test_bf16_training_tracks_the_fp32_reference():
 
 
 
+@pytest.mark.structure
 def test_bad_mixed_precision_is_rejected():
     with pytest.raises(ValueError, match="floating torch.dtype"):
         MixedPrecision(param_dtype=torch.int32)

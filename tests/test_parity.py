@@ -23,6 +23,8 @@ from harness import (
 
 from harness import TOLERANCE
 
+pytestmark = pytest.mark.multirank
+
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -8,6 +8,7 @@ others); 3 AdamW steps against the one-process reference.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
@@ -18,6 +19,8 @@ from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import FusedLinear
 from fsdp_compile.ops import STRATEGIES
 from harness import full_parameters, max_param_error, mean_over_ranks, relative_error, spawn
+
+pytestmark = pytest.mark.multirank
 
 WIDTHS = st.sampled_from([1, 2, 3, 5, 7, 8, 11, 13, 16])
 

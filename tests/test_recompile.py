@@ -3,6 +3,7 @@ are deterministic on CPU."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
@@ -16,6 +17,8 @@ from harness import (
     spawn,
     train,
 )
+
+pytestmark = pytest.mark.multirank
 
 # (local batch, sequence length) per step: a batch-size change, a length change, both.
 SHAPES = [(2, 8), (3, 8), (2, 12), (3, 16), (2, 8)]

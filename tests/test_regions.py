@@ -45,6 +45,7 @@ def _compiled_step(cfg=CFG, world=8, **options):
     return model, graph
 
 
+@pytest.mark.structure
 def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
     """Four identical layers: Dynamo's graph calls one body four times, AOTAutograd partitions it
     once, and every gather and reduce-scatter is in the outer graphs, one bucket per layer,
@@ -66,6 +67,7 @@ def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
     assert count_collectives(graph.backward.graph)["all_gather"] == len(layer_buckets)
 
 
+@pytest.mark.structure
 def test_regional_and_whole_graph_compile_the_same_step():
     """options={"regional": False} inlines the bodies: one graph of every layer, the same
     collectives."""
@@ -77,6 +79,7 @@ def test_regional_and_whole_graph_compile_the_same_step():
         assert count_collectives(getattr(regional, role).graph) == count_collectives(getattr(whole, role).graph)
 
 
+@pytest.mark.multirank
 def test_regional_training_matches_whole_graph_and_the_reference():
     """Two gloo ranks, the eager runner: regional and whole-graph compiles train to the
     single-process reference."""
@@ -138,6 +141,7 @@ def _one_step_against_reference(rank, world, *, how):
     }
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     "how", ["none", "int-attribute", "float-attribute", "submodule-class", "forward-hook", "missing-bias", "weight-shape"]
 )

@@ -10,6 +10,8 @@ from fsdp_compile.passes import collective_groups, gather_lifetimes
 from fsdp_compile.schedule import NVLINK_GPU
 from fsdp_compile.simulate import _graphs, peak_memory, simulate, trace_step
 
+pytestmark = pytest.mark.structure
+
 SHAPE = dict(vocab=1024, dim=256, n_layers=3, n_heads=4, hidden=704, max_seq=256)
 # Communication comparable to this small model's compute (an H100 link would be all latency).
 LINK = dataclasses.replace(NVLINK_GPU, name="fast link", link=1e12, latency=1e-7)

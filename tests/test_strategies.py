@@ -34,6 +34,7 @@ from harness import (
 USER_GUIDE = Path(__file__).parents[1] / "docs" / "user_guide.md"
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_trains_to_parity(strategy, world):
@@ -43,6 +44,7 @@ def test_strategy_trains_to_parity(strategy, world):
     assert_parity(results)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_hsdp_2x2_trains_to_parity(strategy):
     """World 4 as (replicate 2, shard 2): gather and reduce-scatter inside the shard pair,
@@ -78,6 +80,7 @@ EXPECTED_COLLECTIVES = {
 }
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("world", [8, 64])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_collectives_per_step_follow_the_strategy(strategy, world):
@@ -110,6 +113,7 @@ def test_collectives_per_step_follow_the_strategy(strategy, world):
             assert param.grad.placements == (placement,)
 
 
+@pytest.mark.structure
 def test_hsdp_collectives_stay_in_their_groups():
     """Mesh (replicate 4, shard 2) at world 8: every all-gather and reduce-scatter runs on the
     shard group (2 ranks), every gradient is then all-reduced on the replicate group; the plan
@@ -134,6 +138,7 @@ def test_hsdp_collectives_stay_in_their_groups():
 
 # ---- gradient accumulation ----------------------------------------------------------------
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gradient_accumulation_reduces_once(strategy):
     """Parity for 3 micro-batches per step; the compiled no-sync graph reduces nothing, the
@@ -173,6 +178,7 @@ def _evaluate(formula: str, total: int, world: int) -> float:
     return factor * total / (world if "/N" in formula else 1)
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bytes_per_rank_match_the_docs_table(strategy):
     """MemTracker at world size 4, after one compiled AdamW step: parameter, gradient and optimizer

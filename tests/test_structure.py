@@ -14,6 +14,8 @@ from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import ALL_GATHER, count_collectives
 from harness import build_model, compile_one_step, fake_process_group, moe_config, with_meshes
 
+pytestmark = pytest.mark.structure
+
 
 def _compile_step(cfg: TransformerConfig, reshard_after_forward: bool, **options):
     model = fully_shard(build_model(cfg), reshard_after_forward=reshard_after_forward)
