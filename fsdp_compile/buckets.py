@@ -44,7 +44,8 @@ class BucketPlan:
     """Freed after forward and gathered again in backward; False: kept gathered from its
     forward use to its backward use (see NOTE: the reshard default, in fsdp_compile/api.py)."""
     param_dtype: str
-    """Dtype of the all-gather."""
+    """Dtype of the all-gather: the members' wire dtype, or ``uint8`` when float8 weights
+    and others share it (each member's bytes packed as they are)."""
     reduce_dtype: str
     """Dtype of the reduce-scatter."""
     gathered_bytes: int
@@ -59,6 +60,11 @@ def _common_path(fqns: Sequence[str]) -> str:
             break
         common.append(names[0])
     return ".".join(common) or "<root>"
+
+
+def _gather_dtype(run: Sequence[ParamPlan]) -> str:
+    dtypes = {p.wire_dtype for p in run}
+    return dtypes.pop() if len(dtypes) == 1 else "uint8"
 
 
 def plan_buckets(
@@ -87,7 +93,9 @@ def plan_buckets(
             p.group_name,
             p.replicate_group_name,
             p.strategy,
-            p.wire_dtype,
+            # The compute dtype, not the wire's: a float8 weight shares its unit's bucket
+            # (bytes packed byte-exactly, see NOTE: bucket layout in bucket_collectives).
+            p.param_dtype,
             p.reduce_dtype,
         )
 
@@ -115,7 +123,7 @@ def plan_buckets(
             param_ids=tuple(p.param_id for p in run),
             group_name=run[0].group_name,
             reshard_after_forward=run[0].reshard_after_forward,
-            param_dtype=run[0].wire_dtype,
+            param_dtype=_gather_dtype(run),
             reduce_dtype=run[0].reduce_dtype,
             gathered_bytes=sum(p.gathered_bytes for p in run),
         )

@@ -22,6 +22,11 @@ NOTE: float8 gathers
     outside the compiled step, and it needs its own all-reduce anyway. In the graph the
     amax all-reduce is a few bytes per bucket, issued with the bucket's gather.
 
+    A bucket may hold float8 weights beside other parameters (their unit's norms): the
+    bucket key is the compute dtype, and the bucket's gather packs each member's bytes as
+    they are (NOTE: bucket layout, in passes/bucket_collectives.py), so float8 costs no
+    extra collective.
+
     Traced, a read is ``unshard`` (the marker, in the stored dtype) then ``float8_cast``
     (below); ``lower_collectives`` turns the pair into the amax all-reduce, the cast of the
     shard and the float8 gather. Run eagerly (no compiler) the marker gathers the stored

@@ -160,7 +160,11 @@ class CollectiveFacts:
     (reduce_scatter, all_reduce), the sent input (all_to_all)."""
     dtype: torch.dtype
     """What the bytes are: a float8 gather moves its float8 bytes as ``uint8`` (the type gloo
-    and NCCL move) and says ``float8_e4m3fn`` here (``meta["mfsdp_float8"]``)."""
+    and NCCL move) and says ``float8_e4m3fn`` here (``meta["mfsdp_carries"]``); a bucket of
+    several dtypes says ``uint8``."""
+    bytes_by_dtype: dict[torch.dtype, int]
+    """``nbytes`` by what the bytes are: a bucket's members each under their own dtype
+    (``meta["mfsdp_bytes_by_dtype"]``, set by bucket_collectives), else all under ``dtype``."""
 
 
 def _argument(node: fx.Node, name: str):
@@ -188,12 +192,15 @@ def collective_facts(node: fx.Node) -> CollectiveFacts:
     else:  # all_reduce and all_to_all name only their group
         world = _resolve_process_group(group_name).size()
     full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+    nbytes = full.numel() * full.element_size()
+    dtype = node.meta.get("mfsdp_carries", full.dtype)
     return CollectiveFacts(
         kind=kind,
         group_name=group_name,
         world=world,
-        nbytes=full.numel() * full.element_size(),
-        dtype=node.meta.get("mfsdp_float8", full.dtype),
+        nbytes=nbytes,
+        dtype=dtype,
+        bytes_by_dtype=dict(node.meta.get("mfsdp_bytes_by_dtype", {dtype: nbytes})),
     )
 
 

@@ -86,6 +86,7 @@ def test_hf_preset_as_one_rank_of_a_fake_world(tmp_path):
     assert results["mfsdp"]["params_m"] == results["fsdp2-compile"]["params_m"] > 0.5
 
 
+@pytest.mark.structure
 def test_float8_bench_shows_float8_gathers(tmp_path):
     """``--float8 on``: FSDP2 (torchao's float8 all-gather) and mfsdp train the same float8
     model from the same loss, and mfsdp's census shows its float8 gathers."""
@@ -100,6 +101,7 @@ def test_float8_bench_shows_float8_gathers(tmp_path):
     assert abs(results["mfsdp"]["loss_step0"] - reference) < 1e-4 * abs(reference), results
 
 
+@pytest.mark.structure
 def test_float8_bench_without_torchao_says_how_to_install(monkeypatch):
     import importlib.util
 

@@ -13,6 +13,8 @@ bit for bit, under Inductor fused fp32 kernels round differently (relative error
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ pytest.importorskip("torchao.float8")
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard  # noqa: E402
 from fsdp_compile.bench.comms import graph_census  # noqa: E402
-from fsdp_compile.patterns import collective_facts, is_all_gather, is_all_reduce  # noqa: E402
+from fsdp_compile.patterns import collective_facts, is_all_gather, is_all_reduce, is_collective  # noqa: E402
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch  # noqa: E402
 from harness import (  # noqa: E402
     FLOAT8_CFG,
@@ -74,6 +76,7 @@ def _assert_parity(results, bitwise_modes=(), bound=TOLERANCE):
             assert r["loss_error"] <= allowed and r["param_error"] <= allowed, (mode, r)
 
 
+@pytest.mark.multirank
 def test_float8_matches_the_unsharded_float8_model_on_2_ranks():
     """Eager markers, the eager runner and Inductor, ZeRO-3 default. On 2 ranks the eager
     runner is bit for bit: a sum of two gradients has one order (on 4, gloo's reduction
@@ -81,11 +84,13 @@ def test_float8_matches_the_unsharded_float8_model_on_2_ranks():
     _assert_parity(spawn(_parity_run, 2, modes=("none", "eager", "inductor")), bitwise_modes=("eager",))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim"])
 def test_float8_under_every_gathering_strategy(strategy):
     _assert_parity(spawn(_parity_run, 2, modes=("eager",), strategy=strategy))
 
 
+@pytest.mark.multirank
 def test_float8_on_4_ranks_and_hsdp():
     _assert_parity(spawn(_parity_run, 4, modes=("eager",)), bound=FOUR_RANK_TOLERANCE)
     _assert_parity(spawn(_parity_run, 4, modes=("eager",), mesh_shape=(2, 2)), bound=FOUR_RANK_TOLERANCE)
@@ -113,6 +118,7 @@ def _accumulation_run(rank, world):
     return {"loss_error": relative_error(mean_over_ranks(torch.stack(losses)), ref_losses), "param_error": error}
 
 
+@pytest.mark.multirank
 def test_float8_with_gradient_accumulation():
     for r in spawn(_accumulation_run, 2):
         assert r["loss_error"] < TOLERANCE and r["param_error"] < TOLERANCE, r
@@ -131,6 +137,7 @@ def _mixed_precision_run(rank, world):
     return results
 
 
+@pytest.mark.multirank
 def test_float8_with_bf16_mixed_precision():
     for r in spawn(_mixed_precision_run, 2):
         # The losses are bf16: 1e-2 is about two of its ulps at these values.
@@ -157,6 +164,7 @@ def _curve_run(rank, world, *, steps):
     return curves
 
 
+@pytest.mark.multirank
 def test_float8_loss_curve_follows_bf16_over_50_steps():
     """The bound: float8 (e4m3 weights and activations, e5m2 gradients) rounds to 3 mantissa
     bits against bf16's 8. Over 50 steps of a small LM learning its batches, every step's loss
@@ -181,33 +189,34 @@ def _gathers(gm):
     return [collective_facts(n) for n in gm.graph.nodes if is_all_gather(n)]
 
 
+@pytest.mark.structure
 def test_float8_gathers_carry_half_the_bf16_bytes():
     """Fake process group, world 8: every gather of a converted linear moves float8 (forward
-    and the backward's re-gather), never a high-precision copy; its bytes are half of what
-    the same weights cost gathered in bf16; float8 and bf16 parameters never share a bucket;
-    one amax all-reduce per float8 bucket in forward."""
+    and the backward's re-gather), never a high-precision copy, and its bytes are half of what
+    the same weights cost gathered in bf16. A unit's float8 weights and its other parameters
+    share one bucket, packed byte-exactly (uint8 on the wire): as many gathers and
+    reduce-scatters as the bf16 run, and one amax all-reduce per float8 bucket in forward."""
     with fake_process_group(8):
         float8 = _compiled_step(fully_shard(float8_model(), mp_policy=BF16))
         bf16 = _compiled_step(fully_shard(build_model(CFG), mp_policy=BF16))
-        converted = {p.param_id for p in float8.plan.params if p.float8_dtype}
+        converted = {p.fqn for p in float8.plan.params if p.float8_dtype}
         assert converted and {p.float8_dtype for p in float8.plan.params if p.float8_dtype} == {"float8_e4m3fn"}
-        float8_buckets = [b for b in float8.plan.buckets if set(b.param_ids) & converted]
-        assert all(set(b.param_ids) <= converted and b.param_dtype == "float8_e4m3fn" for b in float8_buckets)
-
-        for gm in (float8.forward, float8.backward):
-            for node in (n for n in gm.graph.nodes if is_all_gather(n)):
-                members = set(node.meta["mfsdp_members"])
-                assert members <= converted or not members & converted, members
-                if members <= converted:
-                    assert collective_facts(node).dtype == torch.float8_e4m3fn
+        for gm_float8, gm_bf16 in ((float8.forward, bf16.forward), (float8.backward, bf16.backward)):
+            counts = [Counter(collective_facts(n).kind for n in g.graph.nodes if is_collective(n)) for g in (gm_float8, gm_bf16)]
+            assert counts[0]["all_gather"] == counts[1]["all_gather"], counts
+            assert counts[0]["reduce_scatter"] == counts[1]["reduce_scatter"], counts
+            for node in (n for n in gm_float8.graph.nodes if is_all_gather(n)):
+                by_dtype = collective_facts(node).bytes_by_dtype
+                assert torch.float32 not in by_dtype, by_dtype  # no converted weight gathered wide
+                if torch.float8_e4m3fn in by_dtype:
                     assert node.args[0].meta["val"].dtype == torch.uint8  # the bytes on the wire
-        assert any(collective_facts(n).dtype == torch.float8_e4m3fn for n in float8.backward.graph.nodes if is_all_gather(n))
+        float8_buckets = [b for b in float8.plan.buckets if b.param_dtype in ("uint8", "float8_e4m3fn")]
+        assert any(b.param_dtype == "uint8" for b in float8_buckets)  # shared with bf16 norms
 
-        linear_names = {p.fqn for p in float8.plan.params if p.float8_dtype}
-        bf16_per_pass = sum(p.gathered_bytes for p in bf16.plan.params if p.fqn in linear_names)
+        bf16_per_pass = sum(p.gathered_bytes for p in bf16.plan.params if p.fqn in converted)
         assert sum(f.nbytes for f in _gathers(bf16.forward)) == sum(p.gathered_bytes for p in bf16.plan.params)
         for gm in (float8.forward, float8.backward):  # gathered, then re-gathered (reshard)
-            float8_bytes = sum(f.nbytes for f in _gathers(gm) if f.dtype == torch.float8_e4m3fn)
+            float8_bytes = sum(f.bytes_by_dtype.get(torch.float8_e4m3fn, 0) for f in _gathers(gm))
             assert float8_bytes * 2 == bf16_per_pass, (float8_bytes, bf16_per_pass)
         census = graph_census([float8])
         assert census["all_gather_bytes_by_dtype"]["float8_e4m3fn"] == 2 * float8_bytes
@@ -215,23 +224,27 @@ def test_float8_gathers_carry_half_the_bf16_bytes():
         assert len(amax_reductions) == len(float8_buckets)
 
 
+@pytest.mark.structure
 def test_float8_compiles_under_the_cuda_graph_check():
     with fake_process_group(4):
         _compiled_step(fully_shard(float8_model()), {"cuda_graph": True})
 
 
+@pytest.mark.structure
 def test_no_shard_float8_is_refused_before_any_collective():
     with fake_process_group(2):
         with pytest.raises(UsageError, match="no_shard.*gathers nothing"):
             fully_shard(float8_model(), strategy="no_shard")
 
 
+@pytest.mark.structure
 def test_a_float8_weight_the_matmul_cannot_take_is_refused():
     with fake_process_group(2):
         with pytest.raises(UsageError, match=r"multiples of 16.*module_filter_fn"):
             fully_shard(float8_model(filtered=False))
 
 
+@pytest.mark.structure
 def test_float8_expert_weights_are_refused():
     """ModuleList experts are plain linears torchao would convert; expert parallelism does not
     gather them (each EP rank holds its own), so float8 all-gather cannot apply."""
@@ -261,6 +274,7 @@ def _checkpoint_run(rank, world, *, path):
     return {"dtypes": dtypes, "error": error, "names": sorted(state)}
 
 
+@pytest.mark.multirank
 def test_float8_checkpoints_save_the_fp32_masters(tmp_path):
     """DCP saves plain fp32 shards under the unsharded model's names, and loads back exactly."""
     (result, _) = spawn(_checkpoint_run, 2, path=str(tmp_path / "ckpt"))
@@ -270,6 +284,7 @@ def test_float8_checkpoints_save_the_fp32_masters(tmp_path):
     assert result["error"] == 0.0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (float8 matmuls on GPU)")
 def test_float8_step_is_captured_whole():
     from fsdp_compile import capture_step

@@ -63,8 +63,9 @@ def graph_census(graphs: Iterable[CompiledGraph]) -> dict:
                     census[facts.kind] += 1
                     census[f"{facts.kind}_bytes"] += facts.nbytes
                     if facts.kind == "all_gather":
-                        dtype = str(facts.dtype).removeprefix("torch.")
-                        by_dtype[dtype] = by_dtype.get(dtype, 0) + facts.nbytes
+                        for dtype, nbytes in facts.bytes_by_dtype.items():
+                            name = str(dtype).removeprefix("torch.")
+                            by_dtype[name] = by_dtype.get(name, 0) + nbytes
     # What the gathers carry (float8 weights travel as uint8 bytes but count as float8).
     census["all_gather_bytes_by_dtype"] = dict(sorted(by_dtype.items()))
     return census

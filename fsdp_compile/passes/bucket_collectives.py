@@ -184,6 +184,16 @@ def _replace(graph: fx.Graph, members: list[fx.Node], outputs: list[fx.Node]) ->
             graph.erase_node(cast)
 
 
+def _bytes_by_dtype(gathers: list[fx.Node]) -> dict[torch.dtype, int]:
+    """What the members of a merged gather move, by dtype (float8 members by their float8
+    dtype, not the uint8 they travel as)."""
+    by_dtype: dict[torch.dtype, int] = defaultdict(int)
+    for gather in gathers:
+        facts = collective_facts(gather)
+        by_dtype[facts.dtype] += facts.nbytes
+    return dict(by_dtype)
+
+
 def _tag(nodes: list[fx.Node], outputs: list[fx.Node], index: int, param_ids: list[int]) -> None:
     for node in nodes:
         node.meta["mfsdp_bucket"] = index
@@ -222,12 +232,14 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             new_nodes, outputs = _merge_gathers(gm.graph, nodes)
         else:
             new_nodes, outputs = _merge_scatters(gm.graph, nodes)
-        carried = {n.meta.get("mfsdp_float8") for n in nodes}
+        by_dtype = _bytes_by_dtype(nodes)
         _replace(gm.graph, nodes, outputs)
         _tag(new_nodes, outputs, index, param_ids)
-        if len(carried) == 1 and None not in carried:  # float8 bytes, moved as uint8
+        if kind == "all_gather":
             (collective,) = (n for n in new_nodes if is_collective(n))
-            collective.meta["mfsdp_float8"] = carried.pop()
+            collective.meta["mfsdp_bytes_by_dtype"] = by_dtype
+            if len(by_dtype) == 1:  # one dtype: float8 bytes moved as uint8 say so
+                collective.meta["mfsdp_carries"] = next(iter(by_dtype))
     # A merged reduce-scatter stands after its last member: earlier members' tails move after it.
     stable_topological_sort(gm.graph)
     return finish(gm)

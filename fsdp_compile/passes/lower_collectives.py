@@ -78,7 +78,7 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
     data = cast_node(graph, padded, scale, dtype)
     # gloo and NCCL move no float8 type: the bytes travel as uint8.
     gathered = call(graph, ALL_GATHER, call(graph, aten.view.dtype, data, torch.uint8), param.world, param.group_name)
-    gathered.meta["mfsdp_float8"] = dtype
+    gathered.meta["mfsdp_carries"] = dtype
     rows = _first_rows(graph, call(graph, WAIT, gathered), param.global_shape[0])
     full = call(graph, aten.view.dtype, rows, dtype)
     for cast in casts:
