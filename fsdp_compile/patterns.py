@@ -162,9 +162,15 @@ class CollectiveFacts:
     """What the bytes are: a float8 gather moves its float8 bytes as ``uint8`` (the type gloo
     and NCCL move) and says ``float8_e4m3fn`` here (``meta["mfsdp_carries"]``); a bucket of
     several dtypes says ``uint8``."""
-    bytes_by_dtype: dict[torch.dtype, int]
-    """``nbytes`` by what the bytes are: a bucket's members each under their own dtype
-    (``meta["mfsdp_bytes_by_dtype"]``, set by bucket_collectives), else all under ``dtype``."""
+    members_by_dtype: tuple[tuple[torch.dtype, int], ...] = ()
+    """A merged gather's members' bytes by what they are (``meta["mfsdp_bytes_by_dtype"]``,
+    set by bucket_collectives); empty otherwise."""
+
+    @property
+    def bytes_by_dtype(self) -> dict[torch.dtype, int]:
+        """``nbytes`` by what the bytes are: each member of a bucket under its own dtype,
+        else all under ``dtype``."""
+        return dict(self.members_by_dtype) or {self.dtype: self.nbytes}
 
 
 def _argument(node: fx.Node, name: str):
@@ -200,7 +206,7 @@ def collective_facts(node: fx.Node) -> CollectiveFacts:
         world=world,
         nbytes=nbytes,
         dtype=dtype,
-        bytes_by_dtype=dict(node.meta.get("mfsdp_bytes_by_dtype", {dtype: nbytes})),
+        members_by_dtype=tuple(node.meta.get("mfsdp_bytes_by_dtype", {}).items()),
     )
 
 
