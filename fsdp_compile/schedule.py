@@ -73,6 +73,9 @@ class Collective:
     """Index of its wait_tensor node."""
     overlapped_compute: list[str] = field(default_factory=list)
     """Compute nodes between issue and wait: what can hide this collective."""
+    bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    """``bytes`` by what they are (``CollectiveFacts.bytes_by_dtype``): a float8 gather says
+    ``float8_e4m3fn`` though its bytes travel as uint8."""
 
 
 def _nbytes(val: object) -> int:
@@ -119,6 +122,7 @@ def collective_schedule(gm: fx.GraphModule, plan: Plan, graph: str) -> list[Coll
                 issue_position=position[node],
                 wait_position=position[wait],
                 overlapped_compute=[n.name for n in between if _is_compute(n)],
+                bytes_by_dtype={str(d).removeprefix("torch."): b for d, b in facts.bytes_by_dtype.items()},
             )
         )
     return schedule

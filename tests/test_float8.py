@@ -225,6 +225,29 @@ def test_float8_gathers_carry_half_the_bf16_bytes():
 
 
 @pytest.mark.structure
+def test_float8_dumps_show_float8_gathers(tmp_path):
+    """The dumps name what the gathers carry: plan.json each float8 weight's gather dtype,
+    schedule.json the float8 bytes of each gather and the amax all-reduces (both valid
+    against their schemas)."""
+    import json
+    from importlib import resources
+
+    import jsonschema
+
+    with fake_process_group(4):
+        _compiled_step(fully_shard(float8_model()), {"debug_dir": str(tmp_path)})
+    (folder,) = (tmp_path / "rank0").glob("graph_*")
+    plan = json.loads((folder / "plan.json").read_text())
+    schedule = json.loads((folder / "schedule.json").read_text())
+    for document, schema in ((plan, "plan.schema.json"), (schedule, "schedule.schema.json")):
+        jsonschema.validate(document, json.loads(resources.files("fsdp_compile.schemas").joinpath(schema).read_text()))
+    assert {p["float8_dtype"] for p in plan["params"]} == {"", "float8_e4m3fn"}
+    gathers = [c for c in schedule["collectives"] if c["kind"] == "all_gather"]
+    assert any(c["bytes_by_dtype"].get("float8_e4m3fn", 0) > 0 for c in gathers), gathers
+    assert any(c["kind"] == "all_reduce" and c["graph"] == "forward" for c in schedule["collectives"])
+
+
+@pytest.mark.structure
 def test_float8_compiles_under_the_cuda_graph_check():
     with fake_process_group(4):
         _compiled_step(fully_shard(float8_model()), {"cuda_graph": True})

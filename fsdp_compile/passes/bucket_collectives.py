@@ -216,9 +216,12 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if node.meta.get("mfsdp_amax"):
             amax_reductions[plan.bucket_of(node.meta["mfsdp_param_id"]).index].append(node)
     for index, reductions in amax_reductions.items():
+        param_ids = tuple(r.meta["mfsdp_param_id"] for r in reductions)
         merged = _merge_amax_reductions(gm, reductions) if len(reductions) > 1 else reductions
         for node in merged:
             node.meta["mfsdp_bucket"] = index
+            if is_collective(node):
+                node.meta["mfsdp_members"] = param_ids
     for (kind, index), nodes in _members(gm, plan).items():
         if len(nodes) == 1:
             (collective,) = nodes
