@@ -25,7 +25,14 @@ from torch import fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_compile.patterns import CollectiveFacts, bucket_index, collective_facts, is_collective, is_wait
+from fsdp_compile.patterns import (
+    CollectiveFacts,
+    bucket_index,
+    collective_facts,
+    is_body_call,
+    is_collective,
+    is_wait,
+)
 from fsdp_compile.plan import Plan
 
 __all__ = ["Hardware", "NVLINK_GPU", "Collective", "collective_schedule", "estimate_timeline", "Timeline"]
@@ -164,6 +171,16 @@ def _count_flops(target, args, kwargs) -> int:
     return counter.get_total_flops()
 
 
+def _compute_seconds(gm: fx.GraphModule, node: fx.Node, hw: Hardware) -> float:
+    """Roofline time of one compute node; a repeated block's body call costs its body's
+    nodes (the call itself is one node whose FLOPs no counter sees)."""
+    if is_body_call(node):
+        body = getattr(gm, node.args[0].target)
+        return sum(_compute_seconds(body, n, hw) for n in body.graph.nodes if _is_compute(n))
+    flops = _node_flops(node)
+    return flops / hw.flops if flops else _nbytes(node.meta.get("val")) / hw.memory_bandwidth
+
+
 def collective_seconds(facts: CollectiveFacts, hw: Hardware) -> float:
     """Ring alpha-beta time of one collective (an all-reduce is a reduce-scatter and an
     all-gather; an all-to-all sends all but its own piece once)."""
@@ -211,8 +228,7 @@ def estimate_timeline(gm: fx.GraphModule, graph: str, hw: Hardware = NVLINK_GPU)
             exposed += max(0.0, ready - compute_clock)
             compute_clock = max(compute_clock, ready)
         elif _is_compute(node):
-            flops = _node_flops(node)
-            cost = flops / hw.flops if flops else _nbytes(node.meta.get("val")) / hw.memory_bandwidth
+            cost = _compute_seconds(gm, node, hw)
             if cost > 0:
                 spans.append(Span(lane="compute", name=node.name, start=compute_clock, end=compute_clock + cost))
                 compute_clock += cost
