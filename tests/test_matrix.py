@@ -395,8 +395,10 @@ def _check(api: str, layout: Layout, r: dict) -> None:
             # master differing in its last bit can round to the neighbouring float8 value
             # (6 to 12% of it) in the next cast: seen 6e-3 on HSDP, 1e-2 under EP (where the
             # router amplifies it). So the layout's own uncompiled markers, which sum in the
-            # same order, are the tight reference; the one-process model checks the losses.
-            assert _close(r, "eager_loss_error", "eager_param_error"), r
+            # same order, are the tight reference (measured 1.4e-7 on 4 ranks, 6.8e-6 on HSDP,
+            # where bucketed and per-parameter reductions may still round apart: 5e-5, the
+            # accumulation check's HSDP bound); the one-process model checks the losses.
+            assert _close(r, "eager_loss_error", "eager_param_error", bound=5e-5), r
             assert _close(r, "loss_error", bound=2e-3), r
     else:
         raise AssertionError(f"no check for {api}")
