@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from fsdp_compile.errors import UsageError
 
-__all__ = ["Float8Gather", "float8_gather_of", "is_float8_weight", "master_weight", "float8_weight", "scale_nodes", "cast_node", "float8_extra_missing"]
+__all__ = ["Float8Gather", "float8_gather_of", "is_float8_weight", "master_weight", "float8_weight", "amax", "scale", "cast", "float8_extra_missing"]
 
 # torch._scaled_mm takes operands whose both dims are multiples of 16.
 _SCALED_MM_MULTIPLE = 16
@@ -109,20 +109,20 @@ def master_weight(param: nn.Parameter) -> Tensor:
     return param._tensor
 
 
-def _scale(amax: Tensor, dtype: torch.dtype, round_scales_to_power_of_2: bool) -> Tensor:
+def scale(weight_amax: Tensor, dtype: torch.dtype, round_scales_to_power_of_2: bool) -> Tensor:
     from torchao.float8.float8_utils import amax_to_scale
 
-    return amax_to_scale(amax, dtype, round_scales_to_power_of_2)
+    return amax_to_scale(weight_amax, dtype, round_scales_to_power_of_2)
 
 
-def _cast(tensor: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+def cast(tensor: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> Tensor:
     # As torchao's _ToFloat8ConstrFunc: upcast, scale, saturate.
     from torchao.float8.float8_utils import to_fp8_saturated
 
-    return to_fp8_saturated(tensor.to(torch.float32) * scale, dtype)
+    return to_fp8_saturated(tensor.to(torch.float32) * weight_scale, dtype)
 
 
-def _amax(tensor: Tensor) -> Tensor:
+def amax(tensor: Tensor) -> Tensor:
     from torchao.float8.float8_utils import tensor_to_amax
 
     return tensor_to_amax(tensor)
@@ -133,8 +133,8 @@ def float8_cast(weight: Tensor, dtype: torch.dtype, round_scales_to_power_of_2: 
     """The whole ``weight`` cast to float8 with torchao's tensorwise dynamic scale:
     ``(data, scale)``. Traced, it follows the ``unshard`` marker, and lower_collectives casts
     the shard before the gather instead (see NOTE: float8 gathers)."""
-    scale = _scale(_amax(weight), dtype, round_scales_to_power_of_2)
-    return _cast(weight, scale, dtype), scale
+    weight_scale = scale(amax(weight), dtype, round_scales_to_power_of_2)
+    return cast(weight, weight_scale, dtype), weight_scale
 
 
 @float8_cast.register_fake
@@ -165,33 +165,3 @@ def float8_weight(gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype)
     """``gathered`` (the marker's output, stored dtype) as a float8 weight whose matmuls
     compute in ``orig_dtype``."""
     return _Float8Weight.apply(gathered, cast, orig_dtype)
-
-
-def scale_nodes(graph, shard, dtype: torch.dtype, round_scales_to_power_of_2: bool, reduce_amax):
-    """Insert, at ``graph``'s insert point, the scale of the whole weight computed from this
-    rank's (padded) ``shard``: the local amax, ``reduce_amax(local)`` (which inserts the
-    all-reduce and returns the agreed amax), torchao's scale of it. Returns the scale's node.
-    The arithmetic is torchao's own functions, traced (``make_fx``), so the compiled cast is
-    the eager one's."""
-    amax = reduce_amax(_inline(graph, _amax, shard))
-    return _inline(graph, lambda a: _scale(a, dtype, round_scales_to_power_of_2), amax)
-
-
-def cast_node(graph, shard, scale, dtype: torch.dtype):
-    """Insert the float8 cast of ``shard`` with ``scale`` (torchao's, traced)."""
-    return _inline(graph, lambda t, s: _cast(t, s, dtype), shard, scale)
-
-
-def _inline(graph, fn, *nodes):
-    """``fn`` traced on the nodes' fake values and its ops copied into ``graph``; the node of
-    its single result."""
-    from torch._guards import detect_fake_mode
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    vals = [n.meta["val"] for n in nodes]
-    # Decomposed as AOTAutograd decomposes what Inductor gets: the passes run after it.
-    with detect_fake_mode(vals):
-        traced = make_fx(fn, decomposition_table=select_decomp_table())(*vals)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    return graph.graph_copy(traced.graph, dict(zip(placeholders, nodes)))

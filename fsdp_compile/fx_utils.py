@@ -35,6 +35,22 @@ def call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     return node
 
 
+def inline_traced(graph: fx.Graph, fn, *nodes: fx.Node) -> fx.Node:
+    """``fn`` traced (``make_fx``, with Inductor's decompositions: the passes run after
+    AOTAutograd's) on the nodes' fake values, its ops copied in at ``graph``'s insert point;
+    the node of its single result. For arithmetic a library defines, rather than spelling
+    its ops by hand."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    vals = [n.meta["val"] for n in nodes]
+    with detect_fake_mode(vals):
+        traced = make_fx(fn, decomposition_table=select_decomp_table())(*vals)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    return graph.graph_copy(traced.graph, dict(zip(placeholders, nodes)))
+
+
 def _kept(node: fx.Node) -> bool:
     """What dead-code elimination must keep: every node the user's program made (in-place
     ops, buffer updates and ``copy_`` often have no users, yet they are the program), and any

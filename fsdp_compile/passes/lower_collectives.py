@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp_compile.float8 import cast_node, scale_nodes
-from fsdp_compile.fx_utils import call, finish
+from fsdp_compile import float8
+from fsdp_compile.fx_utils import call, finish, inline_traced
 from fsdp_compile.patterns import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -70,12 +70,14 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
         reduction.meta["mfsdp_amax"] = True  # bucket_collectives merges a bucket's
         return call(graph, WAIT, reduction)
 
+    # torchao's own amax, scale and cast, traced: the compiled cast is the eager one's.
     before = set(graph.nodes)
-    scale = scale_nodes(graph, padded, dtype, round_scales, reduce_amax)
+    local = inline_traced(graph, float8.amax, padded)
+    scale = inline_traced(graph, lambda a: float8.scale(a, dtype, round_scales), reduce_amax(local))
     for node in set(graph.nodes) - before:
         # The scale's chain (its all-reduce included) is issued with the gather it feeds.
         node.meta["mfsdp_float8_scale"] = True
-    data = cast_node(graph, padded, scale, dtype)
+    data = inline_traced(graph, lambda t, s: float8.cast(t, s, dtype), padded, scale)
     # gloo and NCCL move no float8 type: the bytes travel as uint8.
     gathered = call(graph, ALL_GATHER, call(graph, aten.view.dtype, data, torch.uint8), param.world, param.group_name)
     gathered.meta["mfsdp_carries"] = dtype
