@@ -416,7 +416,7 @@ def _reshards(choice: bool | None, fqn: str) -> bool:
         enclosing ``fully_shard`` call wraps (``_reshard_wrapped_units``), is freed after its
         forward use and gathered again in backward; the root's own parameters (embedding,
         final norm, output head) stay gathered from forward to backward, in one bucket
-        (fsdp_compile.buckets). They are read last in forward and first in backward, so
+        (NOTE: bucket rules, in fsdp_compile/planner.py). They are read last in forward and first in backward, so
         freeing them buys little and costs one all-gather and one reduce-scatter per step
         more than FSDP2. ``True`` frees every parameter of the unit; ``False`` keeps all.
     """

@@ -27,7 +27,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from fsdp_compile.compat import compile_caches_work
 from fsdp_compile.debug import GraphDumper, debug_dir, dump_frames
 from fsdp_compile.pipeline import Stage, build_pipeline
-from fsdp_compile.plan import BackendOptions, Plan, build_plan
+from fsdp_compile.plan import BackendOptions, Plan
+from fsdp_compile.planner import build_plan
 
 __all__ = ["mfsdp_backend", "MfsdpBackend", "CompiledGraph", "register"]
 
@@ -38,8 +39,8 @@ _COMPILED_CODE_SOURCES = tuple(
     sorted(
         str(p)
         for p in [*(_PACKAGE / "passes").glob("*.py"), *(_PACKAGE / f for f in (
-            "backend.py", "buckets.py", "compat.py", "fx_utils.py", "ops.py", "patterns.py", "pipeline.py",
-            "plan.py",
+            "backend.py", "compat.py", "float8.py", "fx_utils.py", "ops.py", "patterns.py", "pipeline.py",
+            "plan.py", "planner.py",
         ))]
     )
 )

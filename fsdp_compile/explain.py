@@ -104,7 +104,7 @@ def explain(
             step += timeline.step_seconds
             exposed += timeline.exposed_comm_seconds
     managed_bytes = sum(
-        torch.Size(p.global_shape).numel() * torch.empty((), dtype=getattr(torch, p.dtype)).element_size()
+        torch.Size(p.sharding.global_shape).numel() * p.dtype.itemsize
         for p in params.values()
     )
     return Explanation(

@@ -1,24 +1,24 @@
-"""The plan: every decision the passes act on, made once per compiled graph and frozen."""
+"""The plan: every decision the passes act on, made once per compiled graph and frozen.
+
+Data only: ``fsdp_compile.planner`` builds it from a Dynamo graph and the parameters'
+sharding records.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
-from torch import fx, nn
-from torch.distributed.distributed_c10d import _resolve_process_group
 
-from fsdp_compile.api import shard_info
-from fsdp_compile.buckets import BucketPlan, plan_buckets
+from fsdp_compile.api import ShardInfo
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.ops import GATHERING_STRATEGIES, SCATTERING_STRATEGIES
-from fsdp_compile.patterns import is_unshard, marker_param_id
 
-__all__ = ["ParamPlan", "Plan", "BackendOptions", "build_plan"]
+__all__ = ["BackendOptions", "BucketPlan", "ParamPlan", "Plan", "dtype_name"]
 
 Compiler = Literal["inductor", "eager"]
 
@@ -34,7 +34,7 @@ class BackendOptions:
     debug_dir: str | None = None
     """Write per-graph dumps here (see fsdp_compile.debug); $MFSDP_DEBUG_DIR does the same."""
     bucketing: bool = True
-    """One all-gather and one reduce-scatter per bucket (see fsdp_compile.buckets); False: per parameter."""
+    """One all-gather and one reduce-scatter per bucket (NOTE: bucket rules, in fsdp_compile/planner.py); False: per parameter."""
     bucket_mb: float | None = None
     """Cap on a bucket's gathered size in MiB; None: a whole unit (or block) per bucket."""
     prefetch: int = 1
@@ -104,72 +104,102 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class ParamPlan:
-    """One sharded parameter as this graph uses it."""
+    """One sharded parameter as this graph reads it: the record ``fully_shard`` left on the
+    parameter (``sharding``, the same object, not a copy) and what the graph adds to it."""
 
-    param_id: int
-    """Key the graph's markers carry for this parameter."""
+    sharding: ShardInfo
+    """What ``fully_shard`` decided: owner unit, groups, strategy, dtypes, float8."""
     fqn: str
-    """Attribute path the graph reads it from (Dynamo's source name)."""
-    unit: str
-    """The fully_shard call that owns it."""
-    global_shape: tuple[int, ...]
-    """Unsharded shape."""
+    """Attribute path this graph reads it from (Dynamo's source name)."""
     shard_rows: int
     """Rows this rank holds (dim 0); may be 0 when dim 0 is smaller than the world."""
-    dtype: str
+    dtype: torch.dtype
     """Storage dtype: of the shard, the optimizer state and ``.grad``."""
-    param_dtype: str
-    """Dtype on the wire and in the compute (mixed precision)."""
-    reduce_dtype: str
-    """Dtype of the gradient reduce-scatter."""
-    float8_dtype: str = ""
-    """A float8 weight's gather dtype (see NOTE: float8 gathers, in fsdp_compile/float8.py);
-    "" for every other parameter."""
-    strategy: str
-    """Sharding strategy (``fully_shard(strategy=...)``): decides the collectives."""
-    group_name: str
-    """Process group of its all-gather and gradient reduction (the mesh's shard dimension)."""
-    world: int
-    """Ranks in that group."""
     rank: int
-    """This rank's index in that group (``optim`` keeps these rows of the all-reduced gradient)."""
-    replicate_group_name: str
-    """HSDP: group the reduced gradient is then all-reduced over; "" without one."""
-    replicate_world: int
-    """Ranks in the replicate group (1 without one)."""
-    grad_divisor: int
-    """The summed gradient is divided by this: ``world * replicate_world``, or for expert
-    parameters (reduced over edp) the whole data-parallel world."""
+    """This rank's index in the shard group (``optim`` keeps these rows of the all-reduced gradient)."""
     requires_grad: bool
     """False for frozen parameters: gathered, never reduce-scattered."""
-    reshard_after_forward: bool
-    """True: the backward gathers again; False: the forward saves the gathered tensor."""
+
+    @property
+    def param_id(self) -> int:
+        """Key the graph's markers carry for this parameter."""
+        return self.sharding.param_id
 
     @property
     def gathers(self) -> bool:
         """Stored sharded and all-gathered for use (all strategies but ``no_shard``)."""
-        return self.strategy in GATHERING_STRATEGIES
+        return self.sharding.strategy in GATHERING_STRATEGIES
 
     @property
     def scatters(self) -> bool:
         """Gradient reduce-scattered (ZeRO-2/3); else all-reduced."""
-        return self.strategy in SCATTERING_STRATEGIES
+        return self.sharding.strategy in SCATTERING_STRATEGIES
 
     @property
-    def wire_dtype(self) -> str:
-        """The dtype its all-gather moves: float8 for a float8 weight, else ``param_dtype``."""
-        return self.float8_dtype or self.param_dtype
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype its all-gather moves: float8 for a float8 weight (see NOTE: float8
+        gathers, in fsdp_compile/float8.py), else ``param_dtype``."""
+        float8 = self.sharding.float8
+        return float8.dtype if float8 is not None else self.sharding.param_dtype
 
     @property
     def padded_rows(self) -> int:
-        return -(-self.global_shape[0] // self.world)
+        return -(-self.sharding.global_shape[0] // self.sharding.world)
 
     @property
     def gathered_bytes(self) -> int:
-        numel = self.padded_rows * self.world
-        for size in self.global_shape[1:]:
+        numel = self.padded_rows * self.sharding.world
+        for size in self.sharding.global_shape[1:]:
             numel *= size
-        return numel * getattr(torch, self.wire_dtype).itemsize
+        return numel * self.wire_dtype.itemsize
+
+    def to_dict(self) -> dict:
+        """The flat record ``plan.json`` holds (fsdp_compile/schemas/plan.schema.json)."""
+        s = self.sharding
+        return {
+            "param_id": s.param_id,
+            "fqn": self.fqn,
+            "unit": s.unit,
+            "global_shape": list(s.global_shape),
+            "shard_rows": self.shard_rows,
+            "dtype": dtype_name(self.dtype),
+            "param_dtype": dtype_name(s.param_dtype),
+            "reduce_dtype": dtype_name(s.reduce_dtype),
+            "float8_dtype": dtype_name(s.float8.dtype) if s.float8 is not None else "",
+            "strategy": s.strategy,
+            "group_name": s.group_name,
+            "world": s.world,
+            "rank": self.rank,
+            "replicate_group_name": s.replicate_group_name,
+            "replicate_world": s.replicate_world,
+            "grad_divisor": s.grad_divisor,
+            "requires_grad": self.requires_grad,
+            "reshard_after_forward": s.reshard_after_forward,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketPlan:
+    """One all-gather (and, for its trainable members, one reduce-scatter) per graph; the
+    rules that group parameters are ``fsdp_compile.planner.plan_buckets``'."""
+
+    index: int
+    """Position in the forward's first-read order; the key graphs tag their collectives with."""
+    name: str
+    """The members' common module path (``layers.3``), or ``<root>`` when they share none."""
+    param_ids: tuple[int, ...]
+    """Members, in first-read order; their shards lie in this order in the bucket buffer."""
+    group_name: str
+    reshard_after_forward: bool
+    """Freed after forward and gathered again in backward; False: kept gathered from its
+    forward use to its backward use (see NOTE: the reshard default, in fsdp_compile/api.py)."""
+    param_dtype: torch.dtype
+    """Dtype of the all-gather: the members' wire dtype, or ``uint8`` when float8 weights
+    and others share it (each member's bytes packed as they are)."""
+    reduce_dtype: torch.dtype
+    """Dtype of the reduce-scatter."""
+    gathered_bytes: int
+    """Bytes of the gathered bucket (padded rows of every member, all ranks)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,26 +213,42 @@ class Plan:
     params: tuple[ParamPlan, ...] = field(default=())
     """Sharded parameters the graph reads, in placeholder order."""
     buckets: tuple[BucketPlan, ...] = field(default=())
-    """Parameters grouped per collective, in the forward's first-read order (fsdp_compile.buckets)."""
+    """Parameters grouped per collective, in the forward's first-read order (``plan_buckets``)."""
+
+    # Passes look a parameter up per marker node: dicts, built on first use (the dataclass
+    # is frozen, so they cannot go stale).
+    @functools.cached_property
+    def _params_by_id(self) -> dict[int, ParamPlan]:
+        return {p.param_id: p for p in self.params}
+
+    @functools.cached_property
+    def _buckets_by_param(self) -> dict[int, BucketPlan]:
+        return {i: bucket for bucket in self.buckets for i in bucket.param_ids}
 
     def bucket_of(self, param_id: int) -> BucketPlan:
-        for bucket in self.buckets:
-            if param_id in bucket.param_ids:
-                return bucket
-        raise KeyError(f"parameter {param_id} is in no bucket of plan {self.graph_name}")
+        try:
+            return self._buckets_by_param[param_id]
+        except KeyError:
+            raise KeyError(f"parameter {param_id} is in no bucket of plan {self.graph_name}") from None
 
     def param(self, param_id: int) -> ParamPlan:
-        for param in self.params:
-            if param.param_id == param_id:
-                return param
-        raise KeyError(f"no parameter with param_id={param_id} in plan {self.graph_name}")
+        try:
+            return self._params_by_id[param_id]
+        except KeyError:
+            raise KeyError(f"no parameter with param_id={param_id} in plan {self.graph_name}") from None
 
     @property
     def trainable(self) -> tuple[ParamPlan, ...]:
         return tuple(p for p in self.params if p.requires_grad)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        record = {
+            "graph_name": self.graph_name,
+            "options": asdict(self.options),
+            "params": [p.to_dict() for p in self.params],
+            "buckets": [asdict(b) for b in self.buckets],
+        }
+        return json.dumps(record, indent=2, default=dtype_name)
 
     def cache_key(self) -> str:
         """What of the plan decides the compiled code: everything but where dumps go. The rank
@@ -212,67 +258,6 @@ class Plan:
         return repr(replace(self, options=replace(self.options, debug_dir=None)))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: how dumps and reports write a dtype."""
     return str(dtype).removeprefix("torch.")
-
-
-def _source_name(node: fx.Node) -> str:
-    """The parameter's dotted path, e.g. ``layers.0.attn.wqkv.weight``.
-
-    Dynamo's source reads ``L['self']._modules['layers']._modules['0']..._parameters['weight']``;
-    the quoted keys after the root are the path.
-    """
-    grapharg = node.meta.get("grapharg")
-    if grapharg is None:
-        return node.name
-    keys = re.findall(r"\['([^']+)'\]", grapharg.source.name)
-    return ".".join(keys[1:]) if len(keys) > 1 else grapharg.source.name
-
-
-def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions) -> Plan:
-    """Read the sharded parameters a Dynamo graph takes as inputs into a ``Plan``.
-
-    Raises ``CompileUsageError`` for a plain ``nn.Parameter`` among the inputs: the model (or
-    part of it) was never given to ``fully_shard``, and running it would silently train an
-    unsharded replica per rank.
-    """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    params = []
-    for node, value in zip(placeholders, example_inputs):
-        info = shard_info(value)
-        if info is None:
-            if isinstance(value, nn.Parameter):
-                raise CompileUsageError(
-                    f"parameter {_source_name(node)} was not sharded: call "
-                    "fsdp_compile.fully_shard(model) before torch.compile(model, backend='mfsdp')."
-                )
-            continue
-        local = value.to_local()
-        params.append(
-            ParamPlan(
-                param_id=info.param_id,
-                fqn=_source_name(node),
-                unit=info.unit,
-                global_shape=info.global_shape,
-                shard_rows=local.shape[0],
-                dtype=_dtype_name(local.dtype),
-                param_dtype=_dtype_name(info.param_dtype),
-                reduce_dtype=_dtype_name(info.reduce_dtype),
-                float8_dtype=_dtype_name(info.float8.dtype) if info.float8 else "",
-                strategy=info.strategy,
-                group_name=info.group_name,
-                world=info.world,
-                rank=_resolve_process_group(info.group_name).rank(),
-                replicate_group_name=info.replicate_group_name,
-                replicate_world=info.replicate_world,
-                grad_divisor=info.grad_divisor,
-                requires_grad=value.requires_grad,
-                reshard_after_forward=info.reshard_after_forward,
-            )
-        )
-    graph_name = gm.meta.get("dynamo_compile_id", None) or getattr(gm, "_mfsdp_name", "graph")
-    read_order = [marker_param_id(n) for n in gm.graph.nodes if is_unshard(n)]
-    buckets = plan_buckets(
-        params, read_order, enabled=options.bucketing, cap_bytes=options.bucket_cap_bytes
-    )
-    return Plan(graph_name=str(graph_name), options=options, params=tuple(params), buckets=buckets)

@@ -171,7 +171,7 @@ def simulate(graphs: list[CompiledGraph], hardware: Hardware = NVLINK_GPU) -> Si
                 exposed += timeline.exposed_comm_seconds
                 peak = max(peak, peak_memory(gm))
         estimates[schedule] = ScheduleEstimate(step_seconds=step, exposed_comm_seconds=exposed, peak_bytes=peak)
-    world = max(p.world for g in graphs for p in g.plan.params)
+    world = max(p.sharding.world for g in graphs for p in g.plan.params)
     return Simulation(hardware=hardware, world=world, schedules=estimates)
 
 

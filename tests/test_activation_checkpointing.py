@@ -30,7 +30,7 @@ def test_no_gathered_parameter_is_saved_across_a_checkpointed_block(world):
     forward to backward."""
     with fake_process_group(world):
         graph = compile_one_step(fully_shard(build_model(CHECKPOINTED)), CHECKPOINTED)
-    kept = {p.param_id for p in graph.plan.params if not p.reshard_after_forward}
+    kept = {p.param_id for p in graph.plan.params if not p.sharding.reshard_after_forward}
     assert {graph.plan.param(i).fqn for i in kept} == {"embed.weight", "pos", "norm.weight"}
     assert set(saved_gathered_params(graph.forward)) <= kept
     # Each recomputed block gathers its bucket again.

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.buckets import plan_buckets
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.testing.models import TransformerConfig
 from fsdp_compile.passes import (
@@ -17,7 +16,9 @@ from fsdp_compile.passes import (
     saved_gathered_params,
 )
 from fsdp_compile.patterns import bucket_index, count_collectives, is_collective, is_reduce_scatter
+from fsdp_compile.api import ShardInfo
 from fsdp_compile.plan import BackendOptions, ParamPlan
+from fsdp_compile.planner import plan_buckets
 from harness import (
     build_model,
     compile_one_step,
@@ -81,16 +82,16 @@ def test_keep_gathered_buckets_save_their_members_and_never_regather():
 
 
 def _param(
-    param_id, fqn, *, rows=8, dtype="float32", group="0", unit="root",
+    param_id, fqn, *, rows=8, dtype=torch.float32, group="0", unit="root",
     strategy="optim_grads_params", replicas="",
 ):
-    return ParamPlan(
-        param_id=param_id, fqn=fqn, unit=unit, global_shape=(rows, 4), shard_rows=rows // 2,
-        dtype=dtype, param_dtype=dtype, reduce_dtype=dtype, strategy=strategy, group_name=group,
-        world=2, rank=0, replicate_group_name=replicas, replicate_world=2 if replicas else 1,
-        grad_divisor=4 if replicas else 2,
-        requires_grad=True, reshard_after_forward=True,
+    sharding = ShardInfo(
+        param_id=param_id, fqn=fqn, unit=unit, global_shape=(rows, 4), dtensor_shape=(rows, 4),
+        strategy=strategy, group_name=group, world=2, replicate_group_name=replicas,
+        replicate_world=2 if replicas else 1, grad_divisor=4 if replicas else 2,
+        reshard_after_forward=True, param_dtype=dtype, reduce_dtype=dtype,
     )
+    return ParamPlan(sharding=sharding, fqn=fqn, shard_rows=rows // 2, dtype=dtype, rank=0, requires_grad=True)
 
 
 @pytest.mark.structure
@@ -99,7 +100,7 @@ def test_buckets_never_mix_groups_dtypes_or_strategies_and_respect_the_byte_cap(
     greedily, and a parameter above the cap sits alone."""
     params = [
         _param(0, "layers.0.a"),
-        _param(1, "layers.0.b", dtype="bfloat16"),
+        _param(1, "layers.0.b", dtype=torch.bfloat16),
         _param(2, "layers.0.c", group="1"),
         _param(3, "layers.1.a"),
         _param(4, "layers.1.b"),
@@ -108,7 +109,7 @@ def test_buckets_never_mix_groups_dtypes_or_strategies_and_respect_the_byte_cap(
     ]
     buckets = plan_buckets(params, range(7), enabled=True, cap_bytes=None)
     assert [b.param_ids for b in buckets] == [(0,), (1,), (2,), (3, 4, 5, 6)]
-    assert {(b.group_name, b.param_dtype) for b in buckets[:3]} == {("0", "float32"), ("0", "bfloat16"), ("1", "float32")}
+    assert {(b.group_name, b.param_dtype) for b in buckets[:3]} == {("0", torch.float32), ("0", torch.bfloat16), ("1", torch.float32)}
     cap = 2 * params[3].gathered_bytes
     capped = plan_buckets(params, range(7), enabled=True, cap_bytes=cap)
     assert [b.param_ids for b in capped][3:] == [(3, 4), (5,), (6,)]

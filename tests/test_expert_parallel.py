@@ -221,10 +221,10 @@ def test_no_expert_parameter_shares_a_group_with_a_dense_parameter(fused, shard_
     plan_experts = [p for p in graph.plan.params if p.param_id in experts]
     dense = [p for p in graph.plan.params if p.param_id not in experts]
     assert {p.param_id for p in plan_experts} == experts and dense
-    assert not {p.group_name for p in plan_experts} & {p.group_name for p in dense}
-    assert not {p.unit for p in plan_experts} & {p.unit for p in dense}
-    assert {(p.world, p.grad_divisor) for p in plan_experts} == {(WORLD // EP, WORLD)}
-    (edp_group,) = {p.group_name for p in plan_experts}
+    assert not {p.sharding.group_name for p in plan_experts} & {p.sharding.group_name for p in dense}
+    assert not {p.sharding.unit for p in plan_experts} & {p.sharding.unit for p in dense}
+    assert {(p.sharding.world, p.sharding.grad_divisor) for p in plan_experts} == {(WORLD // EP, WORLD)}
+    (edp_group,) = {p.sharding.group_name for p in plan_experts}
     # No DP bucket holds an expert parameter: a bucket is all experts or none.
     for bucket in graph.plan.buckets:
         members = set(bucket.param_ids)

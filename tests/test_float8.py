@@ -199,8 +199,8 @@ def test_float8_gathers_carry_half_the_bf16_bytes():
     with fake_process_group(8):
         float8 = _compiled_step(fully_shard(float8_model(), mp_policy=BF16))
         bf16 = _compiled_step(fully_shard(build_model(CFG), mp_policy=BF16))
-        converted = {p.fqn for p in float8.plan.params if p.float8_dtype}
-        assert converted and {p.float8_dtype for p in float8.plan.params if p.float8_dtype} == {"float8_e4m3fn"}
+        converted = {p.fqn for p in float8.plan.params if p.sharding.float8}
+        assert converted and {p.wire_dtype for p in float8.plan.params if p.sharding.float8} == {torch.float8_e4m3fn}
         for gm_float8, gm_bf16 in ((float8.forward, bf16.forward), (float8.backward, bf16.backward)):
             counts = [Counter(collective_facts(n).kind for n in g.graph.nodes if is_collective(n)) for g in (gm_float8, gm_bf16)]
             assert counts[0]["all_gather"] == counts[1]["all_gather"], counts
@@ -210,8 +210,8 @@ def test_float8_gathers_carry_half_the_bf16_bytes():
                 assert torch.float32 not in by_dtype, by_dtype  # no converted weight gathered wide
                 if torch.float8_e4m3fn in by_dtype:
                     assert node.args[0].meta["val"].dtype == torch.uint8  # the bytes on the wire
-        float8_buckets = [b for b in float8.plan.buckets if b.param_dtype in ("uint8", "float8_e4m3fn")]
-        assert any(b.param_dtype == "uint8" for b in float8_buckets)  # shared with bf16 norms
+        float8_buckets = [b for b in float8.plan.buckets if b.param_dtype in (torch.uint8, torch.float8_e4m3fn)]
+        assert any(b.param_dtype == torch.uint8 for b in float8_buckets)  # shared with bf16 norms
 
         bf16_per_pass = sum(p.gathered_bytes for p in bf16.plan.params if p.fqn in converted)
         assert sum(f.nbytes for f in _gathers(bf16.forward)) == sum(p.gathered_bytes for p in bf16.plan.params)

@@ -62,7 +62,7 @@ def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
     assert graph.forward.meta["mfsdp_prefetch"] == {b.index: min(b.index, 1) for b in graph.plan.buckets}
     # Resharded: no gathered block parameter crosses from forward to backward (the body's own
     # saved inputs are rerouted to the gather, which backward repeats).
-    kept = {p.param_id for p in graph.plan.params if not p.reshard_after_forward}
+    kept = {p.param_id for p in graph.plan.params if not p.sharding.reshard_after_forward}
     assert set(saved_gathered_params(graph.forward)) <= kept
     assert count_collectives(graph.backward.graph)["all_gather"] == len(layer_buckets)
 

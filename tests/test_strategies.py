@@ -97,7 +97,7 @@ def test_collectives_per_step_follow_the_strategy(strategy, world):
             if n.target == ALL_GATHER
         ]
         saved = {graph.plan.param(i).fqn for i in saved_gathered_params(graph.forward)}
-        root = {p.fqn for p in graph.plan.params if not p.reshard_after_forward}
+        root = {p.fqn for p in graph.plan.params if not p.sharding.reshard_after_forward}
         assert root == {"embed.weight", "pos", "norm.weight"} and saved <= root
         assert not saved & set(regathered)
         _, kept = _compiled_step(world, strategy="optim_grads")
@@ -120,9 +120,9 @@ def test_hsdp_collectives_stay_in_their_groups():
     names both groups."""
     model, graph = _compiled_step(8, rank=5, mesh_shape=(4, 2))
     plan = graph.plan
-    (shard_group,) = {p.group_name for p in plan.params}
-    (replicate_group,) = {p.replicate_group_name for p in plan.params}
-    assert {(p.world, p.replicate_world) for p in plan.params} == {(2, 4)}
+    (shard_group,) = {p.sharding.group_name for p in plan.params}
+    (replicate_group,) = {p.sharding.replicate_group_name for p in plan.params}
+    assert {(p.sharding.world, p.sharding.replicate_world) for p in plan.params} == {(2, 4)}
     assert shard_group != replicate_group and '"replicate_group_name"' in plan.to_json()
     for gm in (graph.forward, graph.backward):
         for node in gm.graph.nodes:

@@ -77,7 +77,7 @@ def test_collectives_use_the_mesh_group_and_padded_sizes():
     for node in gathers:
         param = plan.param(node.meta["mfsdp_param_id"])
         shard, group_size, group_name = node.args
-        assert (group_size, group_name) == (world, param.group_name)
+        assert (group_size, group_name) == (world, param.sharding.group_name)
         assert shard.meta["val"].shape[0] == param.padded_rows
         assert node.meta["val"].shape[0] == param.padded_rows * world
 
@@ -115,8 +115,8 @@ def _normalised_plan(graph) -> str:
     fqns, units and group names by their order of first appearance."""
     plan = graph.plan
     fqn = {p.param_id: p.fqn for p in plan.params}
-    units = {u: i for i, u in enumerate(dict.fromkeys(p.unit for p in plan.params))}
-    groups = {g: i for i, g in enumerate(dict.fromkeys(g for p in plan.params for g in (p.group_name, p.replicate_group_name)))}
+    units = {u: i for i, u in enumerate(dict.fromkeys(p.sharding.unit for p in plan.params))}
+    groups = {g: i for i, g in enumerate(dict.fromkeys(g for p in plan.params for g in (p.sharding.group_name, p.sharding.replicate_group_name)))}
     text = plan.to_json()
     for old, new in [*((f'"{u}"', f'"unit {i}"') for u, i in units.items()), *((f'"{g}"', f'"group {i}"') for g, i in groups.items())]:
         text = text.replace(old, new)

@@ -26,9 +26,9 @@ def collective_fingerprint(gm: fx.GraphModule, plan: Plan, group_name: str) -> s
     for node in gm.graph.nodes:
         if is_unshard(node):
             param = plan.param(marker_param_id(node))
-            if param.group_name != group_name:
+            if param.sharding.group_name != group_name:
                 continue
-            sequence.append((param.param_id, param.global_shape, param.group_name, param.param_dtype))
+            sequence.append((param.param_id, param.sharding.global_shape, group_name, param.sharding.param_dtype))
     return hashlib.sha256(repr(sequence).encode()).hexdigest()[:16]
 
 
@@ -39,7 +39,7 @@ def check_rank_agreement(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
     Costs one small ``all_gather_object`` per compiled graph, before any of its collectives.
     """
-    groups = {p.group_name for p in plan.params}
+    groups = {p.sharding.group_name for p in plan.params}
     if not groups or not dist.is_initialized():
         return gm
     for group_name in sorted(groups):

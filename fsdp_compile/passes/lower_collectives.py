@@ -38,8 +38,7 @@ def _first_rows(graph: fx.Graph, node: fx.Node, rows: int) -> fx.Node:
     return call(graph, aten.slice.Tensor, node, 0, 0, rows)
 
 
-def _cast(graph: fx.Graph, node: fx.Node, dtype_name: str) -> fx.Node:
-    dtype = getattr(torch, dtype_name)
+def _cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
     if node.meta["val"].dtype == dtype:
         return node
     return call(graph, torch.ops.prims.convert_element_type.default, node, dtype)
@@ -47,13 +46,13 @@ def _cast(graph: fx.Graph, node: fx.Node, dtype_name: str) -> fx.Node:
 
 def _lower_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
     # Cast before padding and gathering: the wire carries param_dtype.
-    shard = _cast(graph, marker.args[0], param.param_dtype)
+    shard = _cast(graph, marker.args[0], param.sharding.param_dtype)
     if not param.gathers:
         return shard
     padded = _pad_rows(graph, shard, param.padded_rows)
-    gathered = call(graph, ALL_GATHER, padded, param.world, param.group_name)
+    gathered = call(graph, ALL_GATHER, padded, param.sharding.world, param.sharding.group_name)
     waited = call(graph, WAIT, gathered)
-    return _first_rows(graph, waited, param.global_shape[0])
+    return _first_rows(graph, waited, param.sharding.global_shape[0])
 
 
 def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> None:
@@ -66,7 +65,7 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
     padded = _pad_rows(graph, marker.args[0], param.padded_rows)
 
     def reduce_amax(local: fx.Node) -> fx.Node:
-        reduction = call(graph, ALL_REDUCE, local, "max", param.group_name)
+        reduction = call(graph, ALL_REDUCE, local, "max", param.sharding.group_name)
         reduction.meta["mfsdp_amax"] = True  # bucket_collectives merges a bucket's
         return call(graph, WAIT, reduction)
 
@@ -79,9 +78,9 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
         node.meta["mfsdp_float8_scale"] = True
     data = inline_traced(graph, lambda t, s: float8.cast(t, s, dtype), padded, scale)
     # gloo and NCCL move no float8 type: the bytes travel as uint8.
-    gathered = call(graph, ALL_GATHER, call(graph, aten.view.dtype, data, torch.uint8), param.world, param.group_name)
+    gathered = call(graph, ALL_GATHER, call(graph, aten.view.dtype, data, torch.uint8), param.sharding.world, param.sharding.group_name)
     gathered.meta["mfsdp_carries"] = dtype
-    rows = _first_rows(graph, call(graph, WAIT, gathered), param.global_shape[0])
+    rows = _first_rows(graph, call(graph, WAIT, gathered), param.sharding.global_shape[0])
     full = call(graph, aten.view.dtype, rows, dtype)
     for cast in casts:
         for item in list(cast.users):
@@ -91,28 +90,28 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
 
 
 def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
-    grad = _cast(graph, marker.args[0], param.reduce_dtype)
+    grad = _cast(graph, marker.args[0], param.sharding.reduce_dtype)
     pending = marker.args[1]
     if pending is not None:  # the micro-batches accumulated without sync
         grad = call(graph, aten.add.Tensor, grad, pending)
     # SUM then divide, as the eager marker does (gloo has no AVG): see fsdp_compile/ops.py.
     if param.scatters:
-        padded = _pad_rows(graph, grad, param.padded_rows * param.world)
-        reduced = call(graph, REDUCE_SCATTER, padded, "sum", param.world, param.group_name)
+        padded = _pad_rows(graph, grad, param.padded_rows * param.sharding.world)
+        reduced = call(graph, REDUCE_SCATTER, padded, "sum", param.sharding.world, param.sharding.group_name)
     else:
-        reduced = call(graph, ALL_REDUCE, grad, "sum", param.group_name)
+        reduced = call(graph, ALL_REDUCE, grad, "sum", param.sharding.group_name)
     reduced = call(graph, WAIT, reduced)
-    if param.replicate_group_name:
-        reduced = call(graph, WAIT, call(graph, ALL_REDUCE, reduced, "sum", param.replicate_group_name))
-    if param.strategy == "optim":
+    if param.sharding.replicate_group_name:
+        reduced = call(graph, WAIT, call(graph, ALL_REDUCE, reduced, "sum", param.sharding.replicate_group_name))
+    if param.sharding.strategy == "optim":
         # Average the whole gradient, then view this rank's rows: every rank keeps the whole
         # averaged gradient (ZeRO-1), as the eager marker does.
-        averaged = call(graph, aten.div.Tensor, reduced, param.grad_divisor)
+        averaged = call(graph, aten.div.Tensor, reduced, param.sharding.grad_divisor)
         first = param.padded_rows * param.rank
         mine = call(graph, aten.slice.Tensor, averaged, 0, first, first + param.shard_rows)
     else:
         rows = _first_rows(graph, reduced, param.shard_rows)
-        mine = call(graph, aten.div.Tensor, rows, param.grad_divisor)
+        mine = call(graph, aten.div.Tensor, rows, param.sharding.grad_divisor)
     return _cast(graph, mine, param.dtype)
 
 
@@ -129,7 +128,7 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         param = plan.param(marker_param_id(marker))
         before = set(gm.graph.nodes)
         with gm.graph.inserting_before(marker):
-            if is_unshard(marker) and param.float8_dtype:
+            if is_unshard(marker) and param.sharding.float8 is not None:
                 _lower_float8_unshard(gm.graph, marker, param)
                 lowered = None
             elif is_unshard(marker):

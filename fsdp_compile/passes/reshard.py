@@ -59,7 +59,7 @@ def reshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     ``False``: the gathered parameter is ``MUST_SAVE``; the backward has no all-gather for it.
     """
     for chain in gather_chains(gm):
-        if plan.param(chain.param_id).reshard_after_forward:
+        if plan.param(chain.param_id).sharding.reshard_after_forward:
             tagged = {n: CheckpointPolicy.MUST_RECOMPUTE for n in chain.gather + chain.views}
         else:
             tagged = {chain.gather[-1]: CheckpointPolicy.MUST_SAVE}
