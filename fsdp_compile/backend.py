@@ -24,7 +24,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from fsdp_compile.compat import compile_caches_work
+from fsdp_compile.compat import body_schema_once, compile_caches_work
 from fsdp_compile.debug import GraphDumper, debug_dir, dump_frames
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan
@@ -141,13 +141,17 @@ class CompiledGraph:
             self.dumper.graph("dynamo", self.dynamo)
         self.dynamo = self._run("dynamo", self.dynamo)
         partitioner = _Partitioner(self)
-        if self.plan.options.compiler == "eager":
-            return aot_autograd(
-                fw_compiler=self._with_partitioned_passes(_run_graph, "forward"),
-                bw_compiler=self._with_partitioned_passes(_run_graph, "backward"),
-                inference_compiler=self._with_partitioned_passes(_run_graph, "inference"),
-                partition_fn=partitioner,
-            )(self.dynamo, self._example_inputs)
+        with body_schema_once():
+            if self.plan.options.compiler == "eager":
+                return aot_autograd(
+                    fw_compiler=self._with_partitioned_passes(_run_graph, "forward"),
+                    bw_compiler=self._with_partitioned_passes(_run_graph, "backward"),
+                    inference_compiler=self._with_partitioned_passes(_run_graph, "inference"),
+                    partition_fn=partitioner,
+                )(self.dynamo, self._example_inputs)
+            return self._inductor(partitioner)
+
+    def _inductor(self, partitioner: _Partitioner) -> Callable:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         # NOTE: compile caches. A restart loads the compiled forward, backward and bodies

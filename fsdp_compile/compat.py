@@ -7,8 +7,11 @@ right thing, so that a torch fix needs no change here.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
+import torch
+from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 from torch._inductor import output_code
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -59,3 +62,55 @@ def compile_caches_work() -> Iterator[None]:
         for cls, original in unwraps.items():
             cls.unwrap = original
         DeviceMesh.__getstate__ = mesh_getstate
+
+
+def _operand_layout(operands: tuple) -> tuple:
+    """What of a body call's operands the schema depends on: each tensor's metadata and which
+    operands share storage (aliasing decides what a write reaches); other operands as they are."""
+    storages: dict[int, int] = {}
+    layout = []
+    for operand in operands:
+        if isinstance(operand, torch.Tensor):
+            storage = storages.setdefault(id(operand.untyped_storage()), len(storages))
+            layout.append((
+                type(operand), tuple(operand.shape), operand.stride(), operand.storage_offset(),
+                operand.dtype, operand.device, operand.requires_grad, storage,
+            ))
+        else:
+            layout.append((type(operand), repr(operand)))
+    return tuple(layout)
+
+
+@contextlib.contextmanager
+def body_schema_once() -> Iterator[None]:
+    """Inside, AOTAutograd traces a repeated block's body once per body and operand layout to
+    learn whether it writes an input, instead of once per call.
+
+    torch 2.13's autograd rule for ``invoke_subgraph`` asks for the call's schema at every
+    call (``maybe_run_autograd`` in torch/_ops.py, to refuse in-place writes to inputs), and
+    ``InvokeSubgraphHOP.gen_schema`` builds it by tracing the body anew
+    (``materialize_as_graph``). AOTAutograd passes through each call three times (metadata,
+    joint trace), so a 32-layer model traced its one body 96 times: 9 s of a 16 s joint trace
+    on the CPU proxy (docs/performance.md). The schema is a function of the body and its
+    operands' layout, so it is kept per body object (weakly: the bodies die with their graph)
+    and layout, and the refusal still happens, once. A no-op where torch caches it itself.
+    """
+    original = InvokeSubgraphHOP.gen_schema
+    schemas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def gen_schema(self, subgraph, identifier, *operands):
+        try:
+            per_body = schemas.setdefault(subgraph, {})
+        except TypeError:  # a body that cannot be weakly referenced: no caching
+            return original(self, subgraph, identifier, *operands)
+        key = (identifier, _operand_layout(operands))
+        if key not in per_body:
+            per_body[key] = original(self, subgraph, identifier, *operands)
+        return per_body[key]
+
+    InvokeSubgraphHOP.gen_schema = gen_schema
+    try:
+        yield
+    finally:
+        InvokeSubgraphHOP.gen_schema = original
+
