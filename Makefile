@@ -4,7 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: install demo test clean
+# The lowest torch pyproject admits, in a venv of its own (a CUDA build from PyPI: about
+# 5 GB; it runs on the CPU).
+LOWEST_TORCH ?= 2.12.0
+LOWEST_VENV ?= .venv-torch-lowest
+
+.PHONY: install demo test test-suite test-lowest-torch clean
 
 install: $(VENV)/.installed
 
@@ -21,8 +26,20 @@ demo: install
 
 # Tests run in a random order (pytest-randomly). Not -q: the header names the order's seed;
 # `pytest --randomly-seed=N tests` replays it, `pytest -p no:randomly tests` runs file order.
-test: install
+# `make test`: the whole suite on the pinned torch, then the structure tier on the lowest.
+test: test-suite test-lowest-torch
+
+test-suite: install
 	$(PY) -m pytest tests
 
+$(LOWEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet torch==$(LOWEST_TORCH)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+test-lowest-torch: $(LOWEST_VENV)/.installed
+	$(LOWEST_VENV)/bin/python -m pytest -m structure tests
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info

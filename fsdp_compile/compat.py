@@ -11,7 +11,9 @@ import weakref
 from typing import Iterator
 
 import torch
+from torch import fx
 from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+from torch._higher_order_ops.passes import inline_invoke_subgraph as _inlining
 from torch._inductor import output_code
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -114,3 +116,38 @@ def body_schema_once() -> Iterator[None]:
     finally:
         InvokeSubgraphHOP.gen_schema = original
 
+
+def pre_bucket_all_gather_args(ins, world: int, group_name: str, dtype, out_dtype_ints, rank: int, foreach_groups) -> tuple:
+    """The arguments of Inductor's ``bucketing::_pre_bucket_all_gather`` (the op that copies a
+    bucket's shards into one buffer) in the order this torch's schema has them: torch 2.12
+    takes the group's name after the world size, 2.13 no longer does."""
+    schema = torch.ops.bucketing._pre_bucket_all_gather.default._schema
+    named = {a.name for a in schema.arguments}
+    return (ins, world, *((group_name,) if "group_name" in named else ()), dtype, out_dtype_ints, rank, foreach_groups)
+
+
+def inline_invoke_subgraph(gm: fx.GraphModule) -> fx.GraphModule:
+    """torch's ``inline_invoke_subgraph``: every body call replaced by the body's nodes.
+
+    A body may read modules of its own (a checkpointed block's ``fwd_body_0``). torch 2.13
+    moves them onto the graph that receives the body's nodes; 2.12 copies the ``get_attr``
+    nodes without them, and the inlined graph reads a module it does not have. Where torch
+    does not move them, they are moved here first, under names unique in the receiving graph.
+    """
+    if not hasattr(_inlining, "hoist_submodules"):
+        for receiver in list(gm.modules()):
+            if isinstance(receiver, fx.GraphModule):
+                _hoist_body_modules(receiver)
+    return _inlining.inline_invoke_subgraph(gm)
+
+
+def _hoist_body_modules(receiver: fx.GraphModule) -> None:
+    calls = receiver.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    for body_name in {str(call.args[0].target) for call in calls}:  # a body called by every layer: once
+        body = getattr(receiver, body_name)
+        for child_name, child in list(body.named_children()):
+            name = f"{body_name}_{child_name}"
+            receiver.add_module(name, child)
+            body.add_module(name, child)
+            for read in body.graph.find_nodes(op="get_attr", target=child_name):
+                read.target = name

@@ -47,7 +47,10 @@ def test_materialising_a_meta_model_allocates_about_one_shard():
         assert all(p.to_local().device.type == "cpu" for p in model.parameters())
     shard_bytes = full_bytes / world
     # Observed 1.09x: one parameter's rows are briefly allocated twice while to_empty swaps it.
-    assert peak < 1.2 * shard_bytes, (peak, shard_bytes, full_bytes)
+    # torch 2.12's DTensor normal_ also makes one whole parameter for a moment (the largest:
+    # 1.39x here); 2.13 draws only the rows.
+    drawn_whole = 0 if torch.__version__ >= "2.13" else max(p.numel() * p.element_size() for p in build_model(cfg).parameters())
+    assert peak < 1.2 * shard_bytes + drawn_whole, (peak, shard_bytes, full_bytes)
 
 
 def _meta_then_load(rank, world, *, cfg):

@@ -192,6 +192,12 @@ class EmulatedLinkGroup(dist.ProcessGroup):
         nbytes = sum(t.numel() * t.element_size() for inputs in input_lists for t in inputs)
         return self._issue("reduce_scatter", nbytes, outputs)
 
+    # torch 2.12's c10d calls the tensor-to-tensor collectives by these older names.
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
     def allreduce(self, tensors, opts=None):
         return self._issue("all_reduce", sum(t.numel() * t.element_size() for t in tensors), tensors)
 

@@ -36,6 +36,7 @@ import torch
 from torch._inductor.fx_passes.bucketing import _ALL_DTYPES, _compute_foreach_groups, pick_bucket_dtype
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+from fsdp_compile.compat import pre_bucket_all_gather_args
 from fsdp_compile.fx_utils import call, finish
 from fsdp_compile.patterns import (
     ALL_GATHER_OUT,
@@ -112,8 +113,11 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> tuple[list[fx.Nod
     before = set(graph.nodes)
     with graph.inserting_before(gathers[0]):
         buffer = call(
-            graph, torch.ops.bucketing._pre_bucket_all_gather.default, ins, world, dtype,
-            [_ALL_DTYPES.index(d) for d in out_dtypes], rank, _compute_foreach_groups(vals, out_dtypes),
+            graph, torch.ops.bucketing._pre_bucket_all_gather.default,
+            *pre_bucket_all_gather_args(
+                ins, world, group_name, dtype, [_ALL_DTYPES.index(d) for d in out_dtypes], rank,
+                _compute_foreach_groups(vals, out_dtypes),
+            ),
         )
         mine = call(graph, aten.narrow.default, buffer, 0, sum(sizes) * rank, sum(sizes))
         gathered = call(graph, ALL_GATHER_OUT, mine, world, group_name, out=buffer)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from torch import fx
-from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
 
+from fsdp_compile.compat import inline_invoke_subgraph
 from fsdp_compile.fx_utils import finish
 from fsdp_compile.patterns import is_body_call
 from fsdp_compile.plan import Plan
