@@ -74,8 +74,10 @@ def _operand_layout(operands: tuple) -> tuple:
     for operand in operands:
         if isinstance(operand, torch.Tensor):
             storage = storages.setdefault(id(operand.untyped_storage()), len(storages))
+            # Sizes as text: under dynamic shapes they are SymInts, which do not hash; the
+            # same symbol prints the same.
             layout.append((
-                type(operand), tuple(operand.shape), operand.stride(), operand.storage_offset(),
+                type(operand), str((tuple(operand.shape), operand.stride(), operand.storage_offset())),
                 operand.dtype, operand.device, operand.requires_grad, storage,
             ))
         else:
