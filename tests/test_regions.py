@@ -46,6 +46,25 @@ def _compiled_step(cfg=CFG, world=8, **options):
 
 
 @pytest.mark.structure
+def test_the_joint_trace_builds_each_body_schema_once(monkeypatch):
+    """AOTAutograd asks for a body's schema at every call (torch traces the body again to build
+    it); with compat.body_schema_once it is built once per body, however many layers call it.
+    (Symbolic sizes in its key: tests/test_recompile.py, whose second shape compiles dynamic.)"""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    built = []
+    original = InvokeSubgraphHOP.gen_schema
+
+    def counting(self, subgraph, identifier, *operands):
+        built.append(identifier)
+        return original(self, subgraph, identifier, *operands)
+
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counting)
+    _compiled_step(TransformerConfig(n_layers=6))
+    assert built and len(built) == len(set(built)), built
+
+
+@pytest.mark.structure
 def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
     """Four identical layers: Dynamo's graph calls one body four times, AOTAutograd partitions it
     once, and every gather and reduce-scatter is in the outer graphs, one bucket per layer,
