@@ -180,8 +180,8 @@ class ParamPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class BucketPlan:
-    """One all-gather (and, for its trainable members, one reduce-scatter) per graph; the
-    rules that group parameters are ``fsdp_compile.planner.plan_buckets``'."""
+    """One all-gather (and, for its trainable members, one reduce-scatter) per graph; which
+    parameters it groups: NOTE: bucket rules, in fsdp_compile/planner.py."""
 
     index: int
     """Position in the forward's first-read order; the key graphs tag their collectives with."""
