@@ -12,8 +12,8 @@ The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = onl
                                                                            (no_shard, optim)
     bucketed (partitioned graphs; collectives tagged meta["mfsdp_bucket"], see bucket_collectives)
         shards ─ _pre_bucket_all_gather (copy-in) ─ all_gather_into_tensor_out ─ wait_tensor
-            ─ view(world, -1) ─ split ─ reshape (copy-out, per parameter) ─[slice]─ view* ──> use
-        grads ─ view(world, -1) ─ cat (copy-in) ─ reduce_scatter_tensor ─ wait_tensor ─ split
+            ─ split_gathered (copy-out) ─ getitem (per parameter) ─[slice]─ view* ──> use
+        grads ─ pack_for_reduce_scatter (copy-in) ─ reduce_scatter_tensor ─ wait_tensor ─ split
             ─ view (per parameter) ─[slice]─ div ──> .grad
 """
 
@@ -27,6 +27,7 @@ import torch
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from fsdp_compile import bucket_copies as _bucket_copies  # noqa: F401  (registers its ops)
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
 from fsdp_compile.float8 import FLOAT8_CAST
 
@@ -38,6 +39,8 @@ REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+SPLIT_GATHERED = torch.ops.fsdp_compile.split_gathered.default
+PACK_FOR_REDUCE_SCATTER = torch.ops.fsdp_compile.pack_for_reduce_scatter.default
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 

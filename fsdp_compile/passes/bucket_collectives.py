@@ -6,9 +6,10 @@ merged in the graph that runs them, and ``reshard``'s per-parameter recompute ta
 are. A backward bucket holds the members the backward actually re-gathers or reduces (a bias
 whose gradient needs no weight is not re-gathered): never more than the plan's bucket.
 
-The merges build the nodes torch's own bucketing (``torch._inductor.fx_passes.bucketing``)
-would trace, with its packing op, directly: tracing them costs a ``make_fx`` run per bucket,
-which at 32 layers was 40% of the backend's time. See NOTE: bucket layout.
+The merges insert their nodes directly (the gather's copy-in is torch's own packing op, from
+``torch._inductor.fx_passes.bucketing``) rather than tracing a merge function as torch's
+bucketing does: that costs a ``make_fx`` run per bucket, which at 32 layers was 40% of the
+backend's time. See NOTE: bucket layout.
 
 NOTE: bucket layout
     all-gather: each member's padded shard is copied once, in bucket order, into this rank's
@@ -16,14 +17,15 @@ NOTE: bucket layout
     folded in), then one ``all_gather_into_tensor_out`` fills the buffer in place. The buffer
     is rank-major, ``[rank 0: p0 p1 ... | rank 1: p0 p1 ... | ...]``, so a member's full
     tensor is its column block of ``buffer.view(world, -1)``: rows of every rank's segment.
-    That is a strided view, not a contiguous one; reshaping it to the parameter's shape copies
-    once per member (FSDP2's ``split_with_sizes_copy`` does the same). Cost per bucket: one
+    That is a strided view, not a contiguous one, so each member is copied out once, all of
+    them by one ``split_gathered`` (FSDP2's ``split_with_sizes_copy``). Cost per bucket: one
     copy in (1/world of the bucket), one copy out (the bucket), against per-parameter
-    gathers' pad copies only; the buffer is freed once every member is copied out.
-    reduce-scatter: each member's full gradient is viewed ``(world, -1)`` and one ``cat`` along
-    dim 1 lays them out rank-major (the single copy in); one ``reduce_scatter_tensor`` returns
+    gathers' pad copies only; the buffer is freed once the copy-out has read it.
+    reduce-scatter: one ``pack_for_reduce_scatter`` (FSDP2's ``_chunk_cat``) lays the members'
+    full gradients out rank-major (the single copy in); one ``reduce_scatter_tensor`` returns
     this rank's row, and members are views of it. SUM then divide by world, per member, exactly
-    as unbucketed: bucketing changes no arithmetic, only where bytes sit.
+    as unbucketed: bucketing changes no arithmetic, only where bytes sit. Both copies are one
+    op each, opaque to the compiler: fsdp_compile/bucket_copies.py says why.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from fsdp_compile.fx_utils import call, finish
 from fsdp_compile.patterns import (
     ALL_GATHER_OUT,
     ALL_REDUCE,
+    PACK_FOR_REDUCE_SCATTER,
     REDUCE_SCATTER,
+    SPLIT_GATHERED,
     WAIT,
     bucket_index,
     collective_facts,
@@ -122,14 +126,12 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> tuple[list[fx.Nod
         mine = call(graph, aten.narrow.default, buffer, 0, sum(sizes) * rank, sum(sizes))
         gathered = call(graph, ALL_GATHER_OUT, mine, world, group_name, out=buffer)
         waited = call(graph, WAIT, gathered)
-        rows = _reshape(graph, waited, [world, -1])
-        pieces = call(graph, aten.split_with_sizes.default, rows, sizes, 1)
-        outputs = []
-        for i, (val, out_dtype) in enumerate(zip(vals, out_dtypes)):
-            piece = call(graph, operator.getitem, pieces, i)
-            if out_dtype != dtype:
-                piece = call(graph, aten.view.dtype, piece, out_dtype)
-            outputs.append(_reshape(graph, piece, [val.shape[0] * world, *val.shape[1:]]))
+        shapes = [[v.shape[0] * world, *v.shape[1:]] for v in vals]
+        members = call(
+            graph, SPLIT_GATHERED, waited, world, sizes, [_ALL_DTYPES.index(d) for d in out_dtypes],
+            [d for shape in shapes for d in shape], [len(shape) for shape in shapes],
+        )
+        outputs = [call(graph, operator.getitem, members, i) for i in range(len(vals))]
     return [n for n in graph.nodes if n not in before], outputs
 
 
@@ -140,9 +142,7 @@ def _merge_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> tuple[list[fx.N
     vals = [n.args[0].meta["val"] for n in scatters]
     before = set(graph.nodes)
     with graph.inserting_after(scatters[-1]):
-        columns = [_reshape(graph, n.args[0], [world, -1]) for n in scatters]
-        packed = call(graph, aten.cat.default, columns, 1)
-        flat = _reshape(graph, packed, [-1])
+        flat = call(graph, PACK_FOR_REDUCE_SCATTER, [n.args[0] for n in scatters], world)
         reduced = call(graph, WAIT, call(graph, REDUCE_SCATTER, flat, op, world, group_name))
         pieces = call(graph, aten.split_with_sizes.default, reduced, [v.numel() // world for v in vals])
         outputs = [

@@ -1,0 +1,67 @@
+"""A bucket's copy-out (after its all-gather) and copy-in (before its reduce-scatter), each one
+op the compiler does not look into.
+
+Why ops of our own: spelled in aten, a bucket's copies are a ``split`` and one ``clone`` +
+``_unsafe_view`` per member after the gather, and a ``view`` per member and a ``cat`` before
+the reduce-scatter: about forty nodes per layer in the outer graphs, which Inductor lowers,
+fuses and generates code for at every layer although every layer's kernel comes out the same
+(profiled, HF Llama at 32 layers on the CPU: 8.8 of Inductor's 34.8 s on the outer graphs).
+As one opaque op per bucket and direction, Inductor emits one fallback call per layer; the
+kernels they run are FSDP2's (``split_with_sizes_copy``, ``_chunk_cat``), one launch each.
+The layout is the one NOTE: bucket layout (passes/bucket_collectives.py) describes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
+
+
+def _shapes(dims: list[int], ranks: list[int]) -> list[list[int]]:
+    """Split the concatenated ``dims`` into shapes of ``ranks`` dimensions each (custom op
+    schemas take no list of lists)."""
+    shapes, start = [], 0
+    for rank in ranks:
+        shapes.append(dims[start : start + rank])
+        start += rank
+    return shapes
+
+
+def _empty_members(buffer: Tensor, dtypes: list[int], dims: list[int], ranks: list[int]) -> list[Tensor]:
+    return [buffer.new_empty(shape, dtype=_ALL_DTYPES[d]) for shape, d in zip(_shapes(dims, ranks), dtypes)]
+
+
+@torch.library.custom_op("fsdp_compile::split_gathered", mutates_args=())
+def split_gathered(
+    buffer: Tensor, world: int, sizes: list[int], dtypes: list[int], dims: list[int], ranks: list[int]
+) -> list[Tensor]:
+    """Each member's full tensor, copied out of a gathered bucket.
+
+    ``buffer`` is rank-major (``world`` rows of ``sum(sizes)`` elements of the bucket's dtype);
+    member ``i`` is column block ``i`` of width ``sizes[i]``, of dtype ``_ALL_DTYPES[dtypes[i]]``
+    (its bytes, when the bucket mixes dtypes and travels as uint8), and comes out contiguous in
+    its shape (``ranks[i]`` dimensions of ``dims``).
+    """
+    members = _empty_members(buffer, dtypes, dims, ranks)
+    columns = [m.view(buffer.dtype).view(world, -1) for m in members]
+    torch.split_with_sizes_copy(buffer.view(world, -1), sizes, dim=1, out=columns)
+    return members
+
+
+@split_gathered.register_fake
+def _(buffer, world, sizes, dtypes, dims, ranks) -> list[Tensor]:
+    return _empty_members(buffer, dtypes, dims, ranks)
+
+
+@torch.library.custom_op("fsdp_compile::pack_for_reduce_scatter", mutates_args=())
+def pack_for_reduce_scatter(grads: list[Tensor], world: int) -> Tensor:
+    """The members' full gradients laid out rank-major, flat: rank ``r``'s slot holds row block
+    ``r`` of every member, in member order. Every gradient's dim 0 is a multiple of ``world``
+    (padded by lowering)."""
+    return torch._chunk_cat(grads, 0, world).view(-1)
+
+
+@pack_for_reduce_scatter.register_fake
+def _(grads, world) -> Tensor:
+    return grads[0].new_empty(sum(g.numel() for g in grads))
