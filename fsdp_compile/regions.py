@@ -87,8 +87,10 @@ def _region_forward(self: nn.Module, *args, **kwargs):
             widths.append(_NOT_OPENED)
             leaves.append(value)
     layout = _call_layout(len(args), tuple(kwargs), tuple(widths))
-    body = getattr(_BODIES, _body_for(self._mfsdp_region_key))
-    return body(self, layout, *leaves)
+    name = _body_for(self._mfsdp_region_key)
+    if not name:  # traced inline: see _body_for
+        return _region(self, layout, *leaves)
+    return getattr(_BODIES, name)(self, layout, *leaves)
 
 
 def _with_weights(block: nn.Module, owners, weights, args, kwargs):
@@ -178,7 +180,14 @@ _BLOCK_KEYS = itertools.count()
 def _body_for(block_key: int) -> str:
     """The name in ``_BODIES`` of the region function for the structure the block
     ``block_key`` has now: Dynamo runs this in Python while tracing, so a hook added after
-    fully_shard counts, at no guard's cost."""
+    fully_shard counts, at no guard's cost.
+
+    "" under ``torch.compile(dynamic=True)``: the block is then traced inline, as with
+    ``regional=False``, because torch 2.13's reuse of a body fails there (``KeyError`` in
+    Dynamo's ``stamp_out_subgraph`` once a symbolic size of the first call has been
+    specialized). Automatic dynamic shapes, the default, keep one body per block."""
+    if not torch._dynamo.config.assume_static_by_default:
+        return ""
     key = structure(_BLOCKS[block_key])
     if key not in _BODY_OF:
         name = f"_region_{len(_BODY_OF)}"
@@ -200,11 +209,16 @@ def _refresh_params(self: nn.Module, fn, recurse: bool = True):
 def _flat_params(block: nn.Module, owners) -> dict[str, nn.Parameter]:
     """The block's sharded parameters by path relative to the block, in the body's order (a
     dict: Dynamo names each graph input after its key, so plans see the parameter's path)."""
-    return {
+    params = {
         f"{path}.{name}" if path else name: block.get_submodule(path)._parameters[name]
         for path, names in owners
         for name in names
     }
+    for param in params.values():
+        # Read from a dict, a parameter is a plain input to Dynamo, whose sizes
+        # dynamic=True makes symbolic (and duck-sizes against the batch's): fixed, in fact.
+        torch._dynamo.mark_static(param)
+    return params
 
 
 # One region class per block class (see NOTE: one body per repeated block).
