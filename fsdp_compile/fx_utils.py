@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import fx
@@ -33,6 +34,26 @@ def call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         with fake_mode:
             node.meta["val"] = target(*vals, **kwvals)
     return node
+
+
+@contextlib.contextmanager
+def inserting(graph: fx.Graph, *, before: fx.Node | None = None, after: fx.Node | None = None) -> Iterator[list[fx.Node]]:
+    """``graph.inserting_before(before)`` or ``graph.inserting_after(after)``; the list it
+    yields holds, once the block exits, every node inserted there.
+
+    The new nodes are read off the insertion point's neighbours rather than by comparing the
+    graph's node set before and after, which costs the whole graph per insertion: a pass that
+    lowers every marker that way was quadratic in depth (1.0 s at 32 layers, 4.5 s at 96).
+    """
+    assert (before is None) != (after is None), "insert before a node or after one"
+    start, stop = (before.prev, before) if before is not None else (after, after.next)
+    inserted: list[fx.Node] = []
+    with graph.inserting_before(before) if before is not None else graph.inserting_after(after):
+        yield inserted
+    node = start.next
+    while node is not stop:
+        inserted.append(node)
+        node = node.next
 
 
 def inline_traced(graph: fx.Graph, fn, *nodes: fx.Node) -> fx.Node:

@@ -39,7 +39,7 @@ from torch._inductor.fx_passes.bucketing import _ALL_DTYPES, _compute_foreach_gr
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from fsdp_compile.compat import pre_bucket_all_gather_args
-from fsdp_compile.fx_utils import call, finish
+from fsdp_compile.fx_utils import call, finish, inserting
 from fsdp_compile.patterns import (
     ALL_GATHER_OUT,
     ALL_REDUCE,
@@ -71,17 +71,17 @@ def _members(gm: fx.GraphModule, plan: Plan) -> dict[tuple[str, int], list[fx.No
 
 def _hoist_inputs(gm: fx.GraphModule, gathers: list[fx.Node]) -> None:
     """Move what later members' inputs need (views and casts of shards) before the first
-    member, keeping their order, so the merged gather can stand where the first one stood."""
+    member, keeping their order, so the merged gather can stand where the first one stood.
+    (Nodes compare by their place in the graph, kept by FX as nodes move.)"""
     first = gathers[0]
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
     needed, frontier = set(), [g.args[0] for g in gathers[1:]]
     while frontier:
         node = frontier.pop()
-        if isinstance(node, fx.Node) and node.op == "call_function" and position[node] > position[first]:
+        if isinstance(node, fx.Node) and node.op == "call_function" and node > first:
             if node not in needed:
                 needed.add(node)
                 frontier.extend(node.all_input_nodes)
-    for node in sorted(needed, key=position.__getitem__):
+    for node in sorted(needed):
         first.prepend(node)
 
 
@@ -114,8 +114,7 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> tuple[list[fx.Nod
     vals = [n.meta["val"] for n in ins]
     sizes = [v.numel() * d.itemsize // dtype.itemsize for v, d in zip(vals, out_dtypes)]
     rank = torch.distributed.get_rank(torch.distributed.distributed_c10d._resolve_process_group(group_name))
-    before = set(graph.nodes)
-    with graph.inserting_before(gathers[0]):
+    with inserting(graph, before=gathers[0]) as new_nodes:
         buffer = call(
             graph, torch.ops.bucketing._pre_bucket_all_gather.default,
             *pre_bucket_all_gather_args(
@@ -132,7 +131,7 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> tuple[list[fx.Nod
             [d for shape in shapes for d in shape], [len(shape) for shape in shapes],
         )
         outputs = [call(graph, operator.getitem, members, i) for i in range(len(vals))]
-    return [n for n in graph.nodes if n not in before], outputs
+    return new_nodes, outputs
 
 
 def _merge_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -140,8 +139,7 @@ def _merge_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> tuple[list[fx.N
     the last; returns the new nodes and each member's reduced rows."""
     _, op, world, group_name = scatters[0].args
     vals = [n.args[0].meta["val"] for n in scatters]
-    before = set(graph.nodes)
-    with graph.inserting_after(scatters[-1]):
+    with inserting(graph, after=scatters[-1]) as new_nodes:
         flat = call(graph, PACK_FOR_REDUCE_SCATTER, [n.args[0] for n in scatters], world)
         reduced = call(graph, WAIT, call(graph, REDUCE_SCATTER, flat, op, world, group_name))
         pieces = call(graph, aten.split_with_sizes.default, reduced, [v.numel() // world for v in vals])
@@ -149,7 +147,7 @@ def _merge_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> tuple[list[fx.N
             _reshape(graph, call(graph, operator.getitem, pieces, i), [v.shape[0] // world, *v.shape[1:]])
             for i, v in enumerate(vals)
         ]
-    return [n for n in graph.nodes if n not in before], outputs
+    return new_nodes, outputs
 
 
 def _merge_amax_reductions(gm: fx.GraphModule, reductions: list[fx.Node]) -> list[fx.Node]:
@@ -158,8 +156,7 @@ def _merge_amax_reductions(gm: fx.GraphModule, reductions: list[fx.Node]) -> lis
     _hoist_inputs(gm, reductions)
     graph = gm.graph
     _, op, group_name = reductions[0].args
-    before = set(graph.nodes)
-    with graph.inserting_before(reductions[0]):
+    with inserting(graph, before=reductions[0]) as new_nodes:
         # cat of views, not stack: the graph is past AOTAutograd's decompositions.
         stacked = call(graph, aten.cat.default, [call(graph, aten.view.default, r.args[0], [1]) for r in reductions])
         reduced = call(graph, WAIT, call(graph, ALL_REDUCE, stacked, op, group_name))
@@ -169,7 +166,6 @@ def _merge_amax_reductions(gm: fx.GraphModule, reductions: list[fx.Node]) -> lis
         wait.replace_all_uses_with(amax)
         graph.erase_node(wait)
         graph.erase_node(reduction)
-    new_nodes = [n for n in graph.nodes if n not in before]
     for node in new_nodes:
         node.meta["mfsdp_float8_scale"] = True
     return new_nodes

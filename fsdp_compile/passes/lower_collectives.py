@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 from fsdp_compile import float8
-from fsdp_compile.fx_utils import call, finish, inline_traced
+from fsdp_compile.fx_utils import call, finish, inline_traced, inserting
 from fsdp_compile.patterns import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -70,10 +70,10 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
         return call(graph, WAIT, reduction)
 
     # torchao's own amax, scale and cast, traced: the compiled cast is the eager one's.
-    before = set(graph.nodes)
-    local = inline_traced(graph, float8.amax, padded)
-    scale = inline_traced(graph, lambda a: float8.scale(a, dtype, round_scales), reduce_amax(local))
-    for node in set(graph.nodes) - before:
+    with inserting(graph, before=marker) as scale_chain:
+        local = inline_traced(graph, float8.amax, padded)
+        scale = inline_traced(graph, lambda a: float8.scale(a, dtype, round_scales), reduce_amax(local))
+    for node in scale_chain:
         # The scale's chain (its all-reduce included) is issued with the gather it feeds.
         node.meta["mfsdp_float8_scale"] = True
     data = inline_traced(graph, lambda t, s: float8.cast(t, s, dtype), padded, scale)
@@ -126,8 +126,7 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if not is_marker(marker):
             continue
         param = plan.param(marker_param_id(marker))
-        before = set(gm.graph.nodes)
-        with gm.graph.inserting_before(marker):
+        with inserting(gm.graph, before=marker) as chain:
             if is_unshard(marker) and param.sharding.float8 is not None:
                 _lower_float8_unshard(gm.graph, marker, param)
                 lowered = None
@@ -140,7 +139,7 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         # backward tag), which the partitioner and the dumps read.
         inherited = {k: v for k, v in marker.meta.items() if k != "val"}
         inherited["mfsdp_param_id"] = param.param_id
-        for node in set(gm.graph.nodes) - before:
+        for node in chain:
             node.meta.update(inherited)
         if lowered is not None:
             marker.replace_all_uses_with(lowered)
