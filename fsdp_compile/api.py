@@ -245,9 +245,27 @@ _accumulators: dict[int, torch.Tensor] = {}
 _pending: dict[int, torch.Tensor] = {}
 
 
-def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
+def marker_args(info: ShardInfo, stored_dtype: torch.dtype) -> tuple:
+    """The ``unshard`` marker's constant arguments for a parameter (its ``ShardInfo``, its
+    storage dtype), after the shard and the accumulation state."""
+    return (
+        info.param_id,
+        info.global_shape[0],
+        info.group_name,
+        info.replicate_group_name,
+        info.strategy,
+        # A float8 weight is cast from its stored dtype, as torchao casts the master.
+        info.param_dtype if info.float8 is None else stored_dtype,
+        info.reduce_dtype,
+        info.grad_divisor,
+    )
+
+
+def gather(param: nn.Parameter, info: ShardInfo, constants: tuple | None = None) -> torch.Tensor:
     """``param`` (its sharding record ``info``) gathered for use: the ``unshard`` marker, which
-    is a real collective when run eagerly and one graph node when traced."""
+    is a real collective when run eagerly and one graph node when traced, then, for a float8
+    weight, its float8 wrapper. ``constants``: ``marker_args(info, param.dtype)`` when the
+    caller has them already (a repeated block reads its parameters' once, untraced)."""
     try:
         # Read the accumulation state only when there is some: a read of a global dict is a
         # guard, and a pop a side effect Dynamo records, for every parameter of every layer.
@@ -255,15 +273,7 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
             param.to_local(),
             _accumulators.get(info.param_id) if _accumulators else None,
             _pending.pop(info.param_id, None) if _pending else None,
-            info.param_id,
-            info.global_shape[0],
-            info.group_name,
-            info.replicate_group_name,
-            info.strategy,
-            # A float8 weight is cast from its stored dtype, as torchao casts the master.
-            info.param_dtype if info.float8 is None else param.dtype,
-            info.reduce_dtype,
-            info.grad_divisor,
+            *(marker_args(info, param.dtype) if constants is None else constants),
         )
         return gathered if info.float8 is None else float8_weight(gathered, info.float8, info.param_dtype)
     except AttributeError as error:
