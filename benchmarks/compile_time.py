@@ -10,7 +10,10 @@ Inductor cache folder, and the compile caches are off unless ``--restart``), one
 test Transformer), one forward and backward. Modes run
 alternately (A B A B) and the table gives medians:
 
-- ``regional``: ``fully_shard`` + ``torch.compile(backend="mfsdp")``, one body per block;
+- ``regional``: ``fully_shard`` + ``torch.compile(backend="mfsdp")``, one body per block, the
+  default;
+- ``bodies``: ``regional`` with ``options={"compile_outside_blocks": False}``: with Inductor only
+  the bodies are compiled, the rest runs as Python;
 - ``whole``: the same with ``options={"regional": False}``, every layer in the graph;
 - ``... restart``, with ``--restart``: the same in a second fresh process over the first one's
   cache folder, caches on: the AOTAutograd and Inductor caches serve what they hold (only
@@ -37,7 +40,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("regional", "whole", "fsdp2-compile")
+MODES = ("regional", "bodies", "whole", "fsdp2-compile")
 
 
 def _model(layers: int):
@@ -96,7 +99,10 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
         from fsdp_compile import MfsdpBackend, fully_shard
 
         fully_shard(model)
-        backend = MfsdpBackend(compiler=compiler, regional=mode == "regional", compile_cache=cached)
+        backend = MfsdpBackend(
+            compiler=compiler, regional=mode != "whole", compile_outside_blocks=mode != "bodies",
+            compile_cache=cached,
+        )
         forward = torch.compile(model, backend=backend)
     _loss(forward, tokens).backward()
     total = time.perf_counter() - start

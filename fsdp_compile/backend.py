@@ -7,7 +7,9 @@
 A repeated block reaches the backend as one body called once per layer (``invoke_subgraph``;
 NOTE: one body per repeated block, in regions.py). AOTAutograd traces and partitions each body
 once (``CompiledGraph.partition`` sees the body's joint graph before the outer one), Inductor
-compiles it once, and every collective stays in the outer graphs where the passes act.
+compiles it once, and every collective stays in the outer graphs where the passes act; with
+``compile_outside_blocks=False`` those outer graphs then run as Python (NOTE: what Inductor
+compiles, in compile_bodies.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
 from fsdp_compile.compat import body_schema_once, compile_caches_work
+from fsdp_compile.compile_bodies import compile_bodies, holds_bodies
 from fsdp_compile.debug import GraphDumper, debug_dir, dump_frames
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan
@@ -39,8 +42,8 @@ _COMPILED_CODE_SOURCES = tuple(
     sorted(
         str(p)
         for p in [*(_PACKAGE / "passes").glob("*.py"), *(_PACKAGE / f for f in (
-            "backend.py", "bucket_copies.py", "compat.py", "float8.py", "fx_utils.py", "ops.py", "patterns.py", "pipeline.py",
-            "plan.py", "planner.py",
+            "backend.py", "bucket_copies.py", "compat.py", "compile_bodies.py", "float8.py",
+            "fx_utils.py", "ops.py", "patterns.py", "pipeline.py", "plan.py", "planner.py",
         ))]
     )
 )
@@ -154,10 +157,16 @@ class CompiledGraph:
     def _inductor(self, partitioner: _Partitioner) -> Callable:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        # NOTE: compile caches. A restart loads the compiled forward, backward and bodies
-        # from AOTAutograd's and Inductor's caches: our partitioner's uuid keys them (the
-        # files that decide the compiled code, and the plan, rank included); on a hit neither
-        # the partitioner nor the partitioned-stage passes run, so `compiled` stays empty.
+        # With compile_outside_blocks=False a graph of repeated blocks gets its bodies compiled
+        # and runs the rest as Python (NOTE: what Inductor compiles, in compile_bodies.py).
+        whole = self.plan.options.compile_outside_blocks or not holds_bodies(self.dynamo)
+
+        # NOTE: compile caches. A restart loads what Inductor compiled from its FX graph
+        # cache (the bodies; the forward and backward too where Inductor compiled them whole,
+        # which AOTAutograd's cache then also serves): our partitioner's uuid keys them (the
+        # files that decide the compiled code, and the plan, rank included). On an
+        # AOTAutograd hit neither the partitioner nor the partitioned-stage passes run, so
+        # `compiled` stays empty.
         # Dumps and inspection need every stage, hence no cache with a debug_dir or
         # compile_cache=False. torch 2.13 keys a graph of DTensors per process and loads it
         # without its opaque constants (the gradients' DeviceMesh): compat.py fixes both.
@@ -169,7 +178,7 @@ class CompiledGraph:
             return compile_fx(
                 self.dynamo,
                 self._example_inputs,
-                inner_compile=self._with_partitioned_passes(compile_fx_inner),
+                inner_compile=self._with_partitioned_passes(compile_fx_inner if whole else compile_bodies),
                 config_patches={
                     "custom_partitioner_fn": partitioner,
                     # Inductor's peak-memory reordering would move each gather down to its

@@ -44,6 +44,14 @@ class BackendOptions:
     regional: bool = True
     """Compile each repeated block's body once (fsdp_compile/regions.py); False: inline every
     body and compile the whole graph (slower to compile, may fuse across blocks)."""
+    compile_outside_blocks: bool = True
+    """With ``regional`` and Inductor: Inductor compiles what lies outside the repeated blocks
+    too (embedding, final norm, head, loss, the collectives and their copies), which may fuse
+    that code and lets a restart load the whole graph from the AOTAutograd cache, at a compile
+    time that grows with depth; False: only the bodies are compiled and the rest runs as
+    Python, as FSDP2 runs a compiled model's root (NOTE: what Inductor compiles, in
+    fsdp_compile/compile_bodies.py). Not yet the default: its step time on a GPU is unmeasured.
+    A graph without repeated blocks is compiled whole either way."""
     compile_cache: bool = True
     """Read and write torch's AOTAutograd and Inductor caches (a restart loads the compiled
     graphs instead of compiling them); False, or a ``debug_dir``: compile afresh, so every
@@ -82,7 +90,7 @@ class BackendOptions:
 
 
 def _check_schedule_options(options: dict) -> None:
-    for flag in ("bucketing", "regional", "compile_cache"):
+    for flag in ("bucketing", "regional", "compile_outside_blocks", "compile_cache"):
         if not isinstance(options.get(flag, True), bool):
             raise CompileUsageError(f"options[{flag!r}] must be True or False, got {options[flag]!r}.")
     checks = {

@@ -151,18 +151,30 @@ def global_batch(cfg: TransformerConfig, step: int, world: int):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+SUMMATION_ORDER_EPS = 1e-6
+"""AdamW's epsilon for a parity run whose kernels sum in an order of their own. AdamW's first
+step moves each element by about ``lr * g / (|g| + eps)``: with torch's 1e-8, an element whose
+gradient is itself ~1e-8 (a cancellation) steps by a fraction of ``lr`` that fp32 summation
+order decides. Measured (test transformer, 2 ranks, Inductor compiling only the block bodies,
+``compile_outside_blocks=False``): one element of ``mlp.down.weight`` with gradient -2.31e-8 in
+the reference and -2.00e-8 compiled put the weight 7.1e-5 (relative) off, while the losses
+agreed to 8.6e-7. Not for float8 runs: there a last-bit difference flips a float8 rounding
+in a later cast whatever eps is, and which elements flip depends on it."""
+
+
 def train(
     model, forward, batches, *, steps: int = STEPS, lr: float = 1e-2, max_norm: float | None = None,
-    clip_grad_norm=torch.nn.utils.clip_grad_norm_, criterion=loss_fn,
+    clip_grad_norm=torch.nn.utils.clip_grad_norm_, criterion=loss_fn, adam_eps: float = 1e-8,
 ) -> torch.Tensor:
     """The one training loop: AdamW on ``model``'s parameters, ``forward`` runs each step.
 
     ``forward`` is the model itself or ``torch.compile(model, ...)``; ``batches(step)`` gives
     (inputs, targets) and ``criterion(outputs, targets)`` the loss (the test transformer's by
-    default); with ``max_norm`` each step clips with ``clip_grad_norm`` before the optimizer.
+    default); with ``max_norm`` each step clips with ``clip_grad_norm`` before the optimizer;
+    ``adam_eps`` is AdamW's epsilon (torch's default; see ``SUMMATION_ORDER_EPS``).
     Returns this process's per-step losses.
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=adam_eps)
     losses = []
     for step in range(steps):
         inputs, targets = batches(step)
@@ -187,11 +199,13 @@ def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     return values / dist.get_world_size()
 
 
-def reference(cfg: TransformerConfig, world: int, steps: int = STEPS, seed: int = 0, max_norm=None):
+def reference(cfg: TransformerConfig, world: int, steps: int = STEPS, seed: int = 0, max_norm=None, adam_eps=1e-8):
     """Single-process, unsharded run on the global batch: (losses, {name: full parameter});
     ``max_norm`` clips with torch's own ``clip_grad_norm_``."""
     model = build_model(cfg, seed)
-    losses = train(model, model, lambda step: global_batch(cfg, step, world), steps=steps, max_norm=max_norm)
+    losses = train(
+        model, model, lambda step: global_batch(cfg, step, world), steps=steps, max_norm=max_norm, adam_eps=adam_eps
+    )
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -237,7 +251,8 @@ def with_meshes(shard_options: dict) -> dict:
 
 
 def parity_run(
-    rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_norm=None, backend_options=None, **shard_options
+    rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_norm=None, backend_options=None, adam_eps=1e-8,
+    **shard_options,
 ):
     """Train once per mode (``none`` = uncompiled markers, else the mfsdp compiler by name) and
     return each mode's loss and parameter errors against the unsharded reference.
@@ -246,11 +261,11 @@ def parity_run(
     ``mesh_shape`` builds the mesh in the rank (e.g. ``(2, 2)`` for HSDP), ``ep_size`` the
     expert mesh (``fsdp_compile.expert_mesh``); ``max_norm`` clips every step
     (``fsdp_compile.clip_grad_norm_`` here, torch's in the reference); ``backend_options`` go to
-    the compiled modes' backend.
+    the compiled modes' backend; ``adam_eps`` is AdamW's epsilon, here and in the reference.
     """
     from fsdp_compile import MfsdpBackend, clip_grad_norm_, fully_shard
 
-    ref_losses, ref_params = reference(cfg, world, max_norm=max_norm)
+    ref_losses, ref_params = reference(cfg, world, max_norm=max_norm, adam_eps=adam_eps)
     results = {}
     for mode in modes:
         torch._dynamo.reset()
@@ -259,7 +274,7 @@ def parity_run(
         backend = None if mode == "none" else MfsdpBackend(compiler=mode, **(backend_options or {}))
         forward = model if backend is None else torch.compile(model, backend=backend)
         clip = dict(max_norm=max_norm, clip_grad_norm=clip_grad_norm_)
-        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank), **clip))
+        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank), adam_eps=adam_eps, **clip))
         params = full_parameters(model)
         # An expert-parallel ModuleList holds only this rank's experts: compare what the rank
         # holds ("held" lets the test check that the ranks together hold everything).

@@ -72,21 +72,26 @@ def test_a_restart_reads_the_caches_and_computes_the_same_step(tmp_path):
 CFG = TransformerConfig(vocab=64, n_heads=4, n_layers=2)
 
 
-def _transformer_run(rank, world, *, cache_dir):
+def _transformer_run(rank, world, *, cache_dir, **options):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     model = fully_shard(build_model(CFG))
-    losses = train(model, torch.compile(model, backend="mfsdp"), rank_batches(CFG, rank), steps=3)
+    compiled = torch.compile(model, backend="mfsdp", options=options)
+    losses = train(model, compiled, rank_batches(CFG, rank), steps=3)
     return losses, _cache_counters()
 
 
-def test_repeated_block_bodies_come_from_the_cache_too(tmp_path):
+@pytest.mark.parametrize("compile_outside_blocks", [False, True])
+def test_repeated_block_bodies_come_from_the_cache_too(tmp_path, compile_outside_blocks):
     """Regional compilation (the default) and the caches compose: the restart trains three
-    steps to the same losses with every graph Inductor compiled (the outer forward and
-    backward, each holding its block body once) loaded, none compiled. The test model's
-    fused linear is an ``autograd.Function``, which AOTAutograd's cache refuses, so this
-    reads Inductor's cache alone (the MLP above reads both)."""
-    cold = spawn(_transformer_run, 2, cache_dir=str(tmp_path))
-    warm = spawn(_transformer_run, 2, cache_dir=str(tmp_path))
+    steps to the same losses with every graph Inductor compiled loaded, none compiled: the
+    outer forward and backward, each holding its body once (the default), or with
+    ``compile_outside_blocks=False`` the block's forward and backward bodies (the rest runs
+    as Python; NOTE: what Inductor compiles). The test model's fused linear is an ``autograd.Function``,
+    which AOTAutograd's cache refuses, so this reads Inductor's cache alone (the MLP above
+    reads both)."""
+    options = {"compile_outside_blocks": compile_outside_blocks}
+    cold = spawn(_transformer_run, 2, cache_dir=str(tmp_path), **options)
+    warm = spawn(_transformer_run, 2, cache_dir=str(tmp_path), **options)
     for (cold_losses, cold_caches), (warm_losses, warm_caches) in zip(cold, warm):
         assert torch.equal(cold_losses, warm_losses)
         compiled = cold_caches["fxgraph_cache_miss"]

@@ -1,4 +1,6 @@
-"""The planned collective order survives Inductor: read from the code it generates."""
+"""The planned collective order is the order that runs: read from the code Inductor generates
+(the default), or from the ops the step calls (``compile_outside_blocks=False``, where the graph
+around the compiled block bodies runs as Python; NOTE: what Inductor compiles)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import re
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
+from torch.profiler import ProfilerActivity, profile
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, make_batch
@@ -48,9 +51,49 @@ def _gathers_ahead(events: list[str]) -> list[int]:
     return ahead
 
 
+def _check_planned(graph, forward_events: list[str], backward_events: list[str]) -> None:
+    planned_forward, planned_backward = (_graph_events(graph.compiled[r]) for r in ("forward", "backward"))
+    assert backward_events == planned_backward
+    assert forward_events == planned_forward
+    assert planned_forward.count("issue") == len(graph.plan.buckets)
+    planned_ahead = _gathers_ahead(planned_forward)
+    assert planned_ahead[1:] == [1] * (len(planned_ahead) - 1)  # prefetch 1
+
+
+def _called_events(run) -> list[str]:
+    """"issue" / "wait" per functional collective op ``run()`` calls, in call order (from the
+    profiler: the compiled step's own calls, whatever runs them)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    calls = sorted((e.time_range.start, e.name) for e in prof.events() if e.name.startswith("_c10d_functional::"))
+    return ["wait" if name.endswith("wait_tensor") else "issue" for _, name in calls]
+
+
+def test_the_graph_around_the_bodies_runs_collectives_in_the_planned_order():
+    """With ``compile_outside_blocks=False`` Inductor compiles the block bodies only and the
+    rest of each graph runs as its Python, ATen call by ATen call: the collectives and waits the forward and the backward
+    call are the scheduled graphs', in their order (prefetch distance 1 in the forward)."""
+    cfg = TransformerConfig(n_layers=2)
+    with fake_process_group(8):
+        model = fully_shard(build_model(cfg))
+        backend = MfsdpBackend(compiler="inductor", compile_cache=False, compile_outside_blocks=False)
+        tokens, targets = make_batch(cfg, 2, 8, 0)
+        step = torch.compile(model, backend=backend)
+        loss = torch.nn.functional.cross_entropy(step(tokens).flatten(0, 1), targets.flatten())  # compiles
+        loss.backward()
+        losses = []
+        forward_events = _called_events(
+            lambda: losses.append(torch.nn.functional.cross_entropy(step(tokens).flatten(0, 1), targets.flatten()))
+        )
+        backward_events = _called_events(losses[0].backward)
+    (graph,) = backend.graphs
+    _check_planned(graph, forward_events, backward_events)
+
+
 def test_inductor_code_issues_collectives_in_the_planned_order():
-    """With the Inductor compiler the generated forward and backward call every collective and
-    wait in the scheduled graph's order, so every planned prefetch survives. Without
+    """By default Inductor compiles the whole graph, and the generated
+    forward and backward call every collective and wait in the scheduled graph's order, so
+    every planned prefetch survives. Without
     options["compiler"]'s config patch, Inductor's peak-memory reordering put every wait right
     after its gather; with the gather issued after the glue between two blocks (before
     schedule_collectives issued it where that glue starts), Inductor's fusion of the glue with
@@ -64,9 +107,4 @@ def test_inductor_code_issues_collectives_in_the_planned_order():
         with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
             _, (forward_code, backward_code) = run_and_get_code(torch.compile(model, backend=backend), tokens)
     (graph,) = backend.graphs
-    planned_forward, planned_backward = (_graph_events(graph.compiled[r]) for r in ("forward", "backward"))
-    assert _code_events(backward_code) == planned_backward
-    assert _code_events(forward_code) == planned_forward
-    assert planned_forward.count("issue") == len(graph.plan.buckets)
-    planned_ahead = _gathers_ahead(planned_forward)
-    assert planned_ahead[1:] == [1] * (len(planned_ahead) - 1)  # prefetch 1
+    _check_planned(graph, _code_events(forward_code), _code_events(backward_code))

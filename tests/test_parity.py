@@ -21,7 +21,7 @@ from harness import (
     spawn,
 )
 
-from harness import TOLERANCE
+from harness import SUMMATION_ORDER_EPS, TOLERANCE
 
 pytestmark = pytest.mark.multirank
 
@@ -45,6 +45,18 @@ def test_inductor_matches_unsharded_reference():
     """The Inductor path generates kernels around the same collectives: same numbers."""
     cfg = TransformerConfig(n_layers=2)
     results = spawn(parity_run, 2, cfg=cfg, modes=("inductor",), reshard_after_forward=True)
+    assert_parity(results)
+
+
+def test_inductor_on_the_bodies_only_matches_unsharded_reference():
+    """``compile_outside_blocks=False``: Inductor compiles each block's body, the rest runs as
+    ATen calls (NOTE: what Inductor compiles): the same numbers, with AdamW's epsilon raised
+    above the noise of another summation order (harness.SUMMATION_ORDER_EPS)."""
+    cfg = TransformerConfig(n_layers=2)
+    results = spawn(
+        parity_run, 2, cfg=cfg, modes=("inductor",), reshard_after_forward=True,
+        backend_options={"compile_outside_blocks": False}, adam_eps=SUMMATION_ORDER_EPS,
+    )
     assert_parity(results)
 
 

@@ -1,4 +1,4 @@
-"""One bench mode, built and run: the same model, seed, data and AdamW, sharded six ways.
+"""One bench mode, built and run: the same model, seed, data and AdamW, sharded seven ways.
 
 HF presets are built on the meta device, sharded, then materialised (each rank draws its
 own shards, the same in every mode); the others are built whole from the seed first.
@@ -12,6 +12,9 @@ own shards, the same in every mode); the others are built whole from the seed fi
   ``backend="mfsdp"`` backend as an object, so its compiled graphs can be counted;
 - ``mfsdp-whole``: ``mfsdp`` with ``regional=False``: every block traced and compiled in the
   one graph instead of one body per repeated block;
+- ``mfsdp-bodies``: ``mfsdp`` with ``compile_outside_blocks=False``: Inductor compiles the
+  blocks' bodies only, the code outside them runs as ATen calls (NOTE: what Inductor
+  compiles, in fsdp_compile/compile_bodies.py);
 - ``mfsdp-cudagraph``: ``mfsdp`` with ``cuda_graph=True``, the whole step captured by
   ``capture_step`` (CUDA only).
 
@@ -47,7 +50,7 @@ from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_extra_missing
 from fsdp_compile.testing.models import make_batch, train_step_fn
 
-MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-cudagraph")
+MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-bodies", "mfsdp-cudagraph")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +133,7 @@ def _build(mode: str, run: RunConfig, device: torch.device):
                 compiler=run.compiler,
                 cuda_graph=mode == "mfsdp-cudagraph",
                 regional=mode != "mfsdp-whole",
+                compile_outside_blocks=mode != "mfsdp-bodies",
                 compile_cache=False,
             )
             forward = torch.compile(model, backend=backend)
