@@ -33,7 +33,7 @@ from fsdp_compile.expert_parallel import (
     expert_modules,
 )
 from fsdp_compile.float8 import Float8Gather, float8_gather_of, float8_weight, is_float8_weight, master_weight
-from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES, Strategy, unshard
+from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES, Strategy
 from fsdp_compile.optim_guard import install as install_optimizer_guard
 
 __all__ = [
@@ -269,7 +269,9 @@ def gather(param: nn.Parameter, info: ShardInfo, constants: tuple | None = None)
     try:
         # Read the accumulation state only when there is some: a read of a global dict is a
         # guard, and a pop a side effect Dynamo records, for every parameter of every layer.
-        gathered = unshard(
+        # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
+        # every parameter of every layer (3% of Dynamo's time on a 32-layer HF Llama, profiled).
+        gathered = torch.ops.fsdp_compile.unshard.default(
             param.to_local(),
             _accumulators.get(info.param_id) if _accumulators else None,
             _pending.pop(info.param_id, None) if _pending else None,
