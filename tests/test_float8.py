@@ -47,18 +47,55 @@ STEPS = 5
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def _first_gradients(model, forward, batch) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient for one batch, before any optimizer step; the gradients
+    are then cleared, so training goes on as if this had not run."""
+    tokens, targets = batch
+    loss_fn(forward(tokens), targets).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        grads[name] = _plain(grad, param.shape)
+        param.grad = None
+    return grads
+
+
+def _plain(grad, shape) -> torch.Tensor:
+    """A gradient as a plain tensor (a float8 weight's is wrapped; an unused parameter's is
+    None: zeros, as the reference's)."""
+    return torch.zeros(shape) if grad is None else getattr(grad, "_tensor", grad).detach().clone()
+
+
+def _reference_first_gradients(world) -> dict[str, torch.Tensor]:
+    """The unsharded float8 model's gradient of the mean loss over every rank's first batch,
+    each rank's batch cast on its own (see the module docstring)."""
+    model = float8_model()
+    for rank in range(world):
+        tokens, targets = make_batch(CFG, LOCAL_BATCH, SEQ, 0, rank)
+        (loss_fn(model(tokens), targets) / world).backward()
+    return {n: _plain(p.grad, p.shape) for n, p in model.named_parameters()}
+
+
 def _parity_run(rank, world, *, modes, mesh_shape=None, **shard_options):
     from harness import with_meshes
 
     ref_losses, ref_params = per_rank_reference(float8_model(), CFG, world, steps=STEPS)
+    ref_grads = _reference_first_gradients(world)
     results = {}
     for mode in modes:
         torch._dynamo.reset()
         model = fully_shard(float8_model(), **with_meshes({**shard_options, "mesh_shape": mesh_shape}))
         forward = model if mode == "none" else torch.compile(model, backend=MfsdpBackend(compiler=mode))
+        grads = _first_gradients(model, forward, rank_batches(CFG, rank)(0))
         losses = mean_over_ranks(train(model, forward, rank_batches(CFG, rank), steps=STEPS))
         error, worst = max_param_error(full_parameters(model), ref_params)
-        results[mode] = {"loss_error": relative_error(losses, ref_losses), "param_error": error, "worst": worst}
+        results[mode] = {
+            "first_grad_error": max_param_error(grads, ref_grads)[0],
+            "first_loss_error": relative_error(losses[:1], ref_losses[:1]),
+            "loss_error": relative_error(losses, ref_losses),
+            "param_error": error,
+            "worst": worst,
+        }
     return results
 
 
@@ -69,11 +106,27 @@ the other way in the next step's cast (one e4m3 step is 6 to 12% of the value), 
 carries on. Measured: 8e-5 on the parameters, 0 on the losses, after 5 steps."""
 
 
-def _assert_parity(results, bitwise_modes=(), bound=TOLERANCE):
+def _assert_parity(results, bitwise_modes=(), bound=TOLERANCE, rounding_modes=()):
+    """Every mode's first gradients and losses within ``bound`` of the reference (``0`` for
+    ``bitwise_modes``). For ``rounding_modes`` only the first step is held to ``bound`` and
+    the five steps to ``ROUNDING_FLIP_BOUND``: see it."""
     for rank_result in results:
         for mode, r in rank_result.items():
             allowed = 0.0 if mode in bitwise_modes else bound
-            assert r["loss_error"] <= allowed and r["param_error"] <= allowed, (mode, r)
+            assert r["first_grad_error"] <= allowed and r["first_loss_error"] <= allowed, (mode, r)
+            later = ROUNDING_FLIP_BOUND if mode in rounding_modes else allowed
+            assert r["loss_error"] <= later and r["param_error"] <= later, (mode, r)
+
+
+ROUNDING_FLIP_BOUND = 5e-2
+"""Inductor's fused kernels round fp32 in other places than eager ATen (which kernels, and so
+which last bits, depends on the CPU's vector ISA). From identical weights the first step's
+gradients agree within TOLERANCE; but a weight element whose master differs in its last bit may later
+round to the neighbouring float8 value (one e4m3 step is 6 to 12% of it), and AdamW carries
+that on. Seen: 9e-3 after five steps of the uncompiled markers with AdamW's epsilon at 1e-6
+instead of 1e-8; Inductor here, 2.4e-6 (2-core AMD EPYC). So after the first step only gross
+errors fail; the first step's gradients, where a wrong scale or a lost gradient shows, are
+held tight."""
 
 
 @pytest.mark.multirank
@@ -81,7 +134,9 @@ def test_float8_matches_the_unsharded_float8_model_on_2_ranks():
     """Eager markers, the eager runner and Inductor, ZeRO-3 default. On 2 ranks the eager
     runner is bit for bit: a sum of two gradients has one order (on 4, gloo's reduction
     order differs from the reference's sequential one)."""
-    _assert_parity(spawn(_parity_run, 2, modes=("none", "eager", "inductor")), bitwise_modes=("eager",))
+    _assert_parity(
+        spawn(_parity_run, 2, modes=("none", "eager", "inductor")), bitwise_modes=("eager",), rounding_modes=("inductor",)
+    )
 
 
 @pytest.mark.multirank
