@@ -261,22 +261,28 @@ def marker_args(info: ShardInfo, stored_dtype: torch.dtype) -> tuple:
     )
 
 
-def gather(param: nn.Parameter, info: ShardInfo, constants: tuple | None = None) -> torch.Tensor:
-    """``param`` (its sharding record ``info``) gathered for use: the ``unshard`` marker, which
-    is a real collective when run eagerly and one graph node when traced, then, for a float8
-    weight, its float8 wrapper. ``constants``: ``marker_args(info, param.dtype)`` when the
-    caller has them already (a repeated block reads its parameters' once, untraced)."""
+def unshard_marker(local: torch.Tensor, constants: tuple) -> torch.Tensor:
+    """The ``unshard`` marker on a parameter's local shard: a real collective when run eagerly,
+    one graph node when traced. ``constants``: ``marker_args(info, param.dtype)``, whose first
+    field is the parameter's id."""
+    param_id = constants[0]
+    # Read the accumulation state only when there is some: a read of a global dict is a
+    # guard, and a pop a side effect Dynamo records, for every parameter of every layer.
+    # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
+    # every parameter of every layer (3% of Dynamo's time on a 32-layer HF Llama, profiled).
+    return torch.ops.fsdp_compile.unshard.default(
+        local,
+        _accumulators.get(param_id) if _accumulators else None,
+        _pending.pop(param_id, None) if _pending else None,
+        *constants,
+    )
+
+
+def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
+    """``param`` (its sharding record ``info``) gathered for use: the ``unshard`` marker, then,
+    for a float8 weight, its float8 wrapper."""
     try:
-        # Read the accumulation state only when there is some: a read of a global dict is a
-        # guard, and a pop a side effect Dynamo records, for every parameter of every layer.
-        # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
-        # every parameter of every layer (3% of Dynamo's time on a 32-layer HF Llama, profiled).
-        gathered = torch.ops.fsdp_compile.unshard.default(
-            param.to_local(),
-            _accumulators.get(info.param_id) if _accumulators else None,
-            _pending.pop(info.param_id, None) if _pending else None,
-            *(marker_args(info, param.dtype) if constants is None else constants),
-        )
+        gathered = unshard_marker(param.to_local(), marker_args(info, param.dtype))
         return gathered if info.float8 is None else float8_weight(gathered, info.float8, info.param_dtype)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to
@@ -313,6 +319,7 @@ def _gathered(self: nn.Module, name: str) -> torch.Tensor:
 # parameter and the marker would lose its static sizes.
 torch._dynamo.eval_frame.skip_code(_gathered.__code__)
 torch._dynamo.eval_frame.skip_code(gather.__code__)
+torch._dynamo.eval_frame.skip_code(unshard_marker.__code__)
 
 
 def _reattach_shard_info(self: nn.Module, fn, recurse: bool = True):
