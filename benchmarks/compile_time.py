@@ -20,7 +20,10 @@ alternately (A B A B) and the table gives medians:
   for ``--compiler inductor``: the eager runner is never cached), Dynamo traces again;
 - ``fsdp2-compile``: FSDP2's ``fully_shard`` per block and on the root, each block compiled on
   its own (what torchtitan users run), with ``aot_eager`` for ``--compiler eager`` and
-  Inductor for ``--compiler inductor``.
+  Inductor for ``--compiler inductor``;
+- ``torch-regional``: no sharding at all, ``torch.compile`` of the whole model with each block's
+  forward in torch's ``nested_compile_region`` (same compilers as ``fsdp2-compile``): what
+  compiling the whole step as one graph costs in torch itself, the floor under ``regional``.
 
 Columns: first step (the seconds from the call to the end of backward, compilation
 included), Dynamo (frame conversion, backend excluded), joint (AOTAutograd's joint trace and
@@ -40,7 +43,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("regional", "bodies", "whole", "fsdp2-compile")
+MODES = ("regional", "bodies", "whole", "fsdp2-compile", "torch-regional")
 
 
 def _model(layers: int):
@@ -63,6 +66,17 @@ def _model(layers: int):
 
 def _blocks(model):
     return model.model.layers if hasattr(model, "model") else model.layers
+
+
+_REGION_FORWARDS: dict = {}
+
+
+def _region_forward(cls):
+    import torch
+
+    if cls not in _REGION_FORWARDS:
+        _REGION_FORWARDS[cls] = torch.compiler.nested_compile_region(cls.forward)
+    return _REGION_FORWARDS[cls]
 
 
 def _loss(model, tokens):
@@ -95,6 +109,11 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
             block.compile(backend="inductor" if compiler == "inductor" else "aot_eager")
         fsdp2_fully_shard(model)
         forward = model
+    elif mode == "torch-regional":
+        for block in _blocks(model):
+            # One wrapped function for all blocks: Dynamo keeps its reuse entries per code object.
+            block.forward = _region_forward(type(block)).__get__(block)
+        forward = torch.compile(model, backend="inductor" if compiler == "inductor" else "aot_eager")
     else:
         from fsdp_compile import MfsdpBackend, fully_shard
 

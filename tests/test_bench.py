@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,23 @@ def test_float8_bench_without_torchao_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
     with pytest.raises(UsageError, match=r"pip install 'fsdp_compile\[float8\]'"):
         parse_args(["--float8", "on"])
+
+
+@pytest.mark.structure
+def test_compile_time_benchmark_measures_each_mode(tmp_path):
+    """benchmarks/compile_time.py runs each mode in a fresh process and reports its stages:
+    mfsdp's own stages (passes, partitioner) for ``regional`` only, none for the two
+    references it is compared with, which never reach our backend."""
+    out = tmp_path / "compile_time.json"
+    command = [
+        sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "compile_time.py"), "--layers", "2",
+        "--modes", "regional,torch-regional,fsdp2-compile", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr}"
+    rows = {row["mode"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"regional", "torch-regional", "fsdp2-compile"}
+    for row in rows.values():
+        assert row["layers"] == 2 and row["first_step_s"] > row["dynamo_s"] > 0, row
+    assert rows["regional"]["passes_s"] > 0 and rows["regional"]["partitioner_s"] > 0
+    assert rows["torch-regional"]["passes_s"] == rows["fsdp2-compile"]["passes_s"] == 0
