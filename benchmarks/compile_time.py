@@ -35,6 +35,7 @@ stay linear in graph size: the per-layer growth of each column shows where it is
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -68,15 +69,12 @@ def _blocks(model):
     return model.model.layers if hasattr(model, "model") else model.layers
 
 
-_REGION_FORWARDS: dict = {}
-
-
+@functools.cache
 def _region_forward(cls):
+    """``cls.forward`` as torch's nested compile region, one per class."""
     import torch
 
-    if cls not in _REGION_FORWARDS:
-        _REGION_FORWARDS[cls] = torch.compiler.nested_compile_region(cls.forward)
-    return _REGION_FORWARDS[cls]
+    return torch.compiler.nested_compile_region(cls.forward)
 
 
 def _loss(model, tokens):

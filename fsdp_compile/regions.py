@@ -75,8 +75,8 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     # The markers' constants come from one call Dynamo runs rather than traces: read field by
     # field from each ShardInfo, they were a guard each, nine parameters a layer (28% of
     # Dynamo's time on an HF Llama, A B A B). Nothing else of a ShardInfo is read here either
-    # (a region holds no float8 weight, see _layout): each read was a guard too, and skipping
-    # them took 15% off Dynamo's time on a 32-layer HF Llama (A B A B, process CPU time).
+    # (a region holds no float8 weight, see _layout): each read was a guard too (an 8-layer
+    # HF Llama: 2991 guard lines before, 2662 after; 1% fewer Python calls at 32 layers).
     weights = [
         unshard_marker(p.to_local(), c)
         for p, c in zip(self._mfsdp_region_params.values(), _marker_args(self._mfsdp_region_key))
