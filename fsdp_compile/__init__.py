@@ -7,6 +7,7 @@ places the all-gathers and reduce-scatters on the traced graph.
 from fsdp_compile.api import (
     MixedPrecision,
     fully_shard,
+    gathered_params,
     is_fully_sharded,
     set_requires_gradient_sync,
     shard_info,
@@ -26,6 +27,7 @@ __all__ = [
     "set_requires_gradient_sync",
     "is_fully_sharded",
     "shard_info",
+    "gathered_params",
     "expert_mesh",
     "clip_grad_norm_",
     "mfsdp_backend",

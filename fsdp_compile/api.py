@@ -43,6 +43,7 @@ __all__ = [
     "shard_info",
     "is_fully_sharded",
     "set_requires_gradient_sync",
+    "gathered_params",
 ]
 
 
@@ -130,6 +131,9 @@ class ShardInfo:
     """A float8 linear's weight (torchao, ``enable_fsdp_float8_all_gather=True``): gathered
     in float8 and read as a ``Float8TrainingTensor`` computing in ``param_dtype`` (see NOTE:
     float8 gathers, in fsdp_compile/float8.py); None for every other parameter."""
+    members: tuple[str, ...] = ()
+    """A flat parameter's members (NOTE: flat parameters, in fsdp_compile/flat_params.py), by
+    their names relative to the module ``fully_shard`` got; empty for every other parameter."""
     ep_group_outside_mesh: str = ""
     """An expert of an ``nn.ModuleList`` under expert parallelism: the EP group whose other
     ranks hold the layer's other experts. Its DTensor lives on the ``edp`` mesh, which does not
@@ -231,6 +235,11 @@ def _managed_params(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
 # cache keys made from them agree across ranks and restarts.
 _param_ids = itertools.count()
 _unit_ids = itertools.count()
+
+
+def next_param_id() -> int:
+    """The next ``param_id`` (see ``_param_ids``), for a flat parameter a region makes."""
+    return next(_param_ids)
 
 
 def _unit_name(module: nn.Module) -> str:
@@ -347,7 +356,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         raise UsageError(
             f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}."
         )
-    for param in module.parameters():
+    for param in gathered_params(module):
         info = shard_info(param)
         if info is None or not param.requires_grad:
             continue
@@ -358,6 +367,13 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         accumulator = _accumulators.pop(info.param_id, None)
         if accumulator is not None and accumulator.grad is not None:
             _pending[info.param_id] = accumulator.grad
+
+
+def gathered_params(module: nn.Module) -> list[nn.Parameter]:
+    """The sharded tensors a step gathers for ``module``, each once: its parameters, except
+    that the members of a flat parameter (NOTE: flat parameters, in flat_params.py) are
+    gathered, and their gradients reduced, as that flat."""
+    return list(dict.fromkeys(getattr(p, "_mfsdp_flat", p) for p in module.parameters()))
 
 
 def _accumulator(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:

@@ -54,6 +54,20 @@ def _(buffer, world, sizes, dtypes, dims, ranks) -> list[Tensor]:
     return _empty_members(buffer, dtypes, dims, ranks)
 
 
+def _split_gathered_setup(ctx, inputs, output) -> None:
+    buffer, ctx.world, _, _, dims, ranks = inputs
+    ctx.buffer_shape = buffer.shape
+    ctx.shapes = _shapes(dims, ranks)
+
+
+def _split_gathered_backward(ctx, grads: list[Tensor | None]):
+    """The members' gradients laid out as the buffer was (a flat parameter's unpacking, see
+    NOTE: flat parameters in fsdp_compile/flat_params.py): one ``pack_for_reduce_scatter``."""
+    like = next(g for g in grads if g is not None)
+    grads = [g if g is not None else like.new_zeros(shape) for g, shape in zip(grads, ctx.shapes)]
+    return pack_for_reduce_scatter(grads, ctx.world).view(ctx.buffer_shape), None, None, None, None, None
+
+
 @torch.library.custom_op("fsdp_compile::pack_for_reduce_scatter", mutates_args=())
 def pack_for_reduce_scatter(grads: list[Tensor], world: int) -> Tensor:
     """The members' full gradients laid out rank-major, flat: rank ``r``'s slot holds row block
@@ -65,3 +79,6 @@ def pack_for_reduce_scatter(grads: list[Tensor], world: int) -> Tensor:
 @pack_for_reduce_scatter.register_fake
 def _(grads, world) -> Tensor:
     return grads[0].new_empty(sum(g.numel() for g in grads))
+
+
+split_gathered.register_autograd(_split_gathered_backward, setup_context=_split_gathered_setup)

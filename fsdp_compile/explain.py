@@ -103,12 +103,15 @@ def explain(
             timeline = estimate_timeline(gm, role, hardware)
             step += timeline.step_seconds
             exposed += timeline.exposed_comm_seconds
-    managed_bytes = sum(
-        torch.Size(p.sharding.global_shape).numel() * p.dtype.itemsize
-        for p in params.values()
-    )
+    # A repeated block's parameters are read as one flat parameter (NOTE: flat parameters, in
+    # flat_params.py): the parameters the graphs read are its members.
+    managed = [
+        p for p in dict.fromkeys(model.parameters())
+        if shard_info(p) is not None and shard_info(getattr(p, "_mfsdp_flat", p)).param_id in params
+    ]
+    managed_bytes = sum(torch.Size(shard_info(p).global_shape).numel() * p.dtype.itemsize for p in managed)
     return Explanation(
-        managed=len(params),
+        managed=len(managed),
         managed_bytes=managed_bytes,
         excluded=_special_parameters(model),
         buckets=buckets,

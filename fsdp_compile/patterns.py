@@ -4,6 +4,9 @@ The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = onl
 
     traced (Dynamo / joint graph, before lowering)
         shard ── fsdp_compile.unshard ──> use            grad ── fsdp_compile.reduce_grad ──> .grad
+    a flat parameter's (fsdp_compile/flat_params.py), traced and joint
+        flat ─ unshard ─ split_gathered ─ getitem (per member) ─[slice]──> use
+        grads (per member) ─ pack_for_reduce_scatter ─ view ─ reduce_grad ──> the flat's .grad
     lowered (joint graph; casts only under mixed precision, [+ pending] only after accumulation)
         shard ─[cast]─[pad]─ all_gather_into_tensor ─ wait_tensor ─[slice]─ view* ──> use
         grad ─[cast]─[+ pending]─[pad]─ reduce_scatter_tensor ─ wait_tensor
@@ -92,6 +95,16 @@ def is_collective(node: fx.Node) -> bool:
 
 def is_wait(node: fx.Node) -> bool:
     return _calls(node, WAIT)
+
+
+def is_split_gathered(node: fx.Node) -> bool:
+    """A gathered buffer's copy-out: a bucket's, or a flat parameter's (NOTE: flat parameters,
+    in fsdp_compile/flat_params.py)."""
+    return _calls(node, SPLIT_GATHERED)
+
+
+def is_pack_for_reduce_scatter(node: fx.Node) -> bool:
+    return _calls(node, PACK_FOR_REDUCE_SCATTER)
 
 
 def is_body_call(node: fx.Node) -> bool:

@@ -183,6 +183,7 @@ class ParamPlan:
             "grad_divisor": s.grad_divisor,
             "requires_grad": self.requires_grad,
             "reshard_after_forward": s.reshard_after_forward,
+            "members": list(s.members),
         }
 
 

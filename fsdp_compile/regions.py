@@ -11,10 +11,11 @@ NOTE: one body per repeated block
     and prefetch. So ``fully_shard`` gives every repeated block (two or more children of one
     class in an ``nn.ModuleList`` / ``nn.Sequential``, outermost only) a forward in two parts:
 
-    - in the caller's graph, every sharded parameter of the block is gathered (one marker per
-      parameter, read from a flat dict on the block rather than through its submodules:
-      values the outer frame has already wrapped are not re-checked when Dynamo decides to
-      reuse a body);
+    - in the caller's graph, every sharded parameter of the block is gathered: the block's
+      shards lie in flat parameters (NOTE: flat parameters, in flat_params.py), one marker
+      and one copy-out each, and a parameter that fits no flat has a marker of its own (read
+      from a dict on the block rather than through its submodules: values the outer frame
+      has already wrapped are not re-checked when Dynamo decides to reuse a body);
     - the body, ``_region``, runs the block's own forward with those gathered tensors put in
       place of its parameters (``torch.nn.utils.stateless._reparametrize_module``, once per
       owning submodule, which Dynamo understands and does not count as a side effect); the
@@ -48,7 +49,9 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from fsdp_compile.api import ShardInfo, marker_args, shard_info, unshard_marker
+from fsdp_compile.api import marker_args, next_param_id, shard_info, unshard_marker
+from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.flat_params import check_linked, converted_flat, flat_groups, make_flat
 
 __all__ = ["install_regions", "is_region", "RegionLayout"]
 
@@ -59,12 +62,22 @@ _MAX_BODIES = 1 << 16
 
 @dataclass(frozen=True)
 class RegionLayout:
-    """Which parameters a repeated block's wrapper gathers, in the order its body takes them."""
+    """What a repeated block's wrapper gathers, and in which order its body takes it."""
 
     owners: tuple[tuple[str, tuple[str, ...]], ...]
-    """(submodule path relative to the block, its parameter names), per owning submodule."""
-    infos: tuple[ShardInfo, ...]
-    """The sharding record of each parameter, in the same flat order."""
+    """(submodule path relative to the block, its parameter names), per owning submodule: the
+    body's weights in this order, one per name (a parameter tied within the block has two)."""
+    flats: tuple[tuple[str, ...], ...]
+    """Each flat parameter's members (NOTE: flat parameters), as paths relative to the block."""
+    alone: tuple[str, ...]
+    """Parameters gathered on their own, as paths relative to the block."""
+    slots: tuple[int, ...]
+    """For each of the body's weights, its index among the gathered values: every flat's
+    members in order, then the parameters on their own."""
+
+    def paths(self) -> tuple[str, ...]:
+        """The gathered values' parameter paths, in the order ``slots`` indexes."""
+        return tuple(p for members in self.flats for p in members) + self.alone
 
 
 def is_region(module: nn.Module) -> bool:
@@ -73,14 +86,16 @@ def is_region(module: nn.Module) -> bool:
 
 def _region_forward(self: nn.Module, *args, **kwargs):
     # The markers' constants come from one call Dynamo runs rather than traces: read field by
-    # field from each ShardInfo, they were a guard each, nine parameters a layer (28% of
-    # Dynamo's time on an HF Llama, A B A B). Nothing else of a ShardInfo is read here either
-    # (a region holds no float8 weight, see _layout): each read was a guard too (an 8-layer
-    # HF Llama: 2991 guard lines before, 2662 after; 1% fewer Python calls at 32 layers).
-    weights = [
-        unshard_marker(p.to_local(), c)
-        for p, c in zip(self._mfsdp_region_params.values(), _marker_args(self._mfsdp_region_key))
-    ]
+    # field from each ShardInfo, they were a guard each (28% of Dynamo's time on an HF Llama,
+    # A B A B). Nothing else of a ShardInfo is read here either (a region holds no float8
+    # weight, see _layout): each read was a guard too.
+    flats, alone, slots = _gather_recipe(self._mfsdp_region_key)
+    gathered = []
+    for flat, (constants, unpack, trims) in zip(self._mfsdp_region_flats.values(), flats):
+        members = torch.ops.fsdp_compile.split_gathered.default(unshard_marker(flat.to_local(), constants), *unpack)
+        gathered.extend(m if rows is None else m[:rows] for m, rows in zip(members, trims))
+    gathered.extend(unshard_marker(p.to_local(), c) for p, c in zip(self._mfsdp_region_params.values(), alone))
+    weights = [gathered[i] for i in slots]
     # The body takes flat leaves only (the block, a constant, tensors, None...): then Dynamo
     # fingerprints each call for reuse directly, instead of tracing pytree.tree_flatten over
     # the call's arguments per layer (74 ms a layer for an HF decoder layer). Tuples are
@@ -101,14 +116,44 @@ def _region_forward(self: nn.Module, *args, **kwargs):
 
 
 @torch._dynamo.assume_constant_result
-def _marker_args(block_key: int) -> tuple[tuple, ...]:
-    """The ``unshard`` markers' constant arguments for the block ``block_key``'s parameters, in
-    the body's order (run, not traced, by Dynamo)."""
+def _gather_recipe(block_key: int) -> tuple:
+    """What the wrapper of the block ``block_key`` gathers, as constants (run, not traced, by
+    Dynamo): per flat parameter its marker's arguments, ``split_gathered``'s and the rows to
+    keep of each member; the markers' arguments of the parameters on their own; the body's
+    weights as indices into the gathered values. Refuses a block whose parameters were
+    replaced since ``fully_shard``: its wrapper would gather the old ones."""
     block = _BLOCKS[block_key]
-    return tuple(
-        marker_args(info, param.dtype)
-        for param, info in zip(block._mfsdp_region_params.values(), block._mfsdp_region.infos)
+    _check_params(block)
+    return (
+        tuple(
+            (marker_args(shard_info(f), f.dtype), f._mfsdp_layout.unpack_args(shard_info(f).param_dtype), f._mfsdp_layout.trims())
+            for f in block._mfsdp_region_flats.values()
+        ),
+        tuple(marker_args(shard_info(p), p.dtype) for p in block._mfsdp_region_params.values()),
+        block._mfsdp_region.slots,
     )
+
+
+def _check_params(block: nn.Module) -> None:
+    layout: RegionLayout = block._mfsdp_region
+    current = [_param_at(block, path) for path in layout.paths()]
+    recorded = [m.param for f in block._mfsdp_region_flats.values() for m in f._mfsdp_members]
+    recorded += list(block._mfsdp_region_params.values())
+    for path, now, then in zip(layout.paths(), current, recorded):
+        if now is not then:
+            raise CompileUsageError(
+                f"{type(block).__name__}.{path} was replaced after fully_shard (now "
+                f"{type(now).__name__} of shape {tuple(now.shape)}); sharding happens once. "
+                "Change the model before calling fully_shard, or copy new values into the shard "
+                "(param.to_local().copy_(...))."
+            )
+    for flat in block._mfsdp_region_flats.values():
+        check_linked(flat)
+
+
+def _param_at(block: nn.Module, path: str) -> nn.Parameter:
+    owner, _, name = path.rpartition(".")
+    return block.get_submodule(owner)._parameters[name]
 
 
 def _with_weights(block: nn.Module, owners, weights, args, kwargs):
@@ -217,21 +262,32 @@ def _body_for(block_key: int) -> str:
 
 
 def _refresh_params(self: nn.Module, fn, recurse: bool = True):
-    """``_apply`` (``to_empty``, ``.to``) may replace parameter objects: the wrapper's flat
-    dict follows."""
-    result = self._mfsdp_region_base._apply(self, fn, recurse)
-    self._mfsdp_region_params = _flat_params(self, self._mfsdp_region.owners)
+    """``_apply`` (``to_empty``, ``.to``) converts each flat parameter once, and the members
+    are linked to the result (``converted_flat``) rather than converted one by one; the
+    parameters on their own are converted as usual, and the wrapper's dict follows them (they
+    may be new objects)."""
+    layout: RegionLayout = self._mfsdp_region
+    members = {m.param for flat in self._mfsdp_region_flats.values() for m in flat._mfsdp_members}
+    owners = [(self.get_submodule(path), name) for path, names in layout.owners for name in names]
+    hidden = [(owner, name) for owner, name in owners if owner._parameters[name] in members]
+    held = [owner._parameters[name] for owner, name in hidden]
+    for owner, name in hidden:  # nn.Module._apply skips a None parameter
+        owner._parameters[name] = None
+    try:
+        result = self._mfsdp_region_base._apply(self, fn, recurse)
+    finally:
+        for (owner, name), param in zip(hidden, held):
+            owner._parameters[name] = param
+    for (name, flat), paths in zip(list(self._mfsdp_region_flats.items()), layout.flats):
+        self._mfsdp_region_flats[name] = converted_flat(flat, [_param_at(self, p) for p in paths], fn)
+    self._mfsdp_region_params = _params_alone(self, layout.alone)
     return result
 
 
-def _flat_params(block: nn.Module, owners) -> dict[str, nn.Parameter]:
-    """The block's sharded parameters by path relative to the block, in the body's order (a
-    dict: Dynamo names each graph input after its key, so plans see the parameter's path)."""
-    params = {
-        f"{path}.{name}" if path else name: block.get_submodule(path)._parameters[name]
-        for path, names in owners
-        for name in names
-    }
+def _params_alone(block: nn.Module, paths: tuple[str, ...]) -> dict[str, nn.Parameter]:
+    """The parameters gathered on their own, by path relative to the block (a dict: Dynamo
+    names each graph input after its key, so plans see the parameter's path)."""
+    params = {path: _param_at(block, path) for path in paths}
     for param in params.values():
         # Read from a dict, a parameter is a plain input to Dynamo, whose sizes
         # dynamic=True makes symbolic (and duck-sizes against the batch's): fixed, in fact.
@@ -244,10 +300,10 @@ _REGION_CLASSES: dict[type, type] = {}
 
 
 def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
-    """The block's sharded parameters by owner; None when the block cannot be one body: a
-    parameter not sharded by fully_shard, one shared with a module outside the block, or a
-    float8 weight."""
-    owners, infos = defaultdict(list), []
+    """The block's sharded parameters by owner, grouped into flats; None when the block
+    cannot be one body: a parameter not sharded by fully_shard, one shared with a module
+    outside the block, or a float8 weight."""
+    owners, slot_params, path_of = defaultdict(list), [], {}
     for path, owner in block.named_modules():
         for name, param in owner._parameters.items():
             if param is None:
@@ -259,13 +315,22 @@ def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
             if info is None or id(param) in shared or info.float8 is not None:
                 return None
             owners[path].append(name)
-            infos.append(info)
-    if not infos:
+            slot_params.append(param)
+            path_of.setdefault(param, f"{path}.{name}" if path else name)  # a tie: its first name
+    if not slot_params:
         return None
-    return RegionLayout(owners=tuple((p, tuple(n)) for p, n in owners.items()), infos=tuple(infos))
+    flats, alone = flat_groups(list(path_of))
+    order = [p for members in flats for p in members] + alone
+    index = {param: i for i, param in enumerate(order)}
+    return RegionLayout(
+        owners=tuple((p, tuple(n)) for p, n in owners.items()),
+        flats=tuple(tuple(path_of[p] for p in members) for members in flats),
+        alone=tuple(path_of[p] for p in alone),
+        slots=tuple(index[p] for p in slot_params),
+    )
 
 
-def _make_region(block: nn.Module, layout: RegionLayout) -> None:
+def _make_region(block: nn.Module, layout: RegionLayout, path: str) -> None:
     cls = type(block)
     if cls not in _REGION_CLASSES:
         _REGION_CLASSES[cls] = type(
@@ -282,12 +347,22 @@ def _make_region(block: nn.Module, layout: RegionLayout) -> None:
     block._mfsdp_region_key = next(_BLOCK_KEYS)
     _BLOCKS[block._mfsdp_region_key] = block
     block._mfsdp_region = layout
-    block._mfsdp_region_params = _flat_params(block, layout.owners)
+    # Not module parameters (plain dict values): the optimizer, state_dict and DCP see only
+    # the members, which hold views of these.
+    block._mfsdp_region_flats = {
+        f"_flat{i}": make_flat(
+            [_param_at(block, p) for p in members], param_id=next_param_id(), fqn=f"{path}._flat{i}",
+            names=tuple(f"{path}.{p}" for p in members),
+        )
+        for i, members in enumerate(layout.flats)
+    }
+    block._mfsdp_region_params = _params_alone(block, layout.alone)
 
 
 def install_regions(root: nn.Module) -> None:
     """Make every outermost repeated block under ``root`` a region (see NOTE: one body per
     repeated block); blocks that already are, or lie inside one, are left alone."""
+    paths = {id(m): name for name, m in root.named_modules()}
     holders: dict[int, set[int]] = defaultdict(set)  # parameter -> the modules holding it
     for module in root.modules():
         for param in module._parameters.values():
@@ -307,4 +382,4 @@ def install_regions(root: nn.Module) -> None:
                 shared = {p for m in block.modules() for p in map(id, m._parameters.values()) if holders[p] - members}
                 layout = None if is_region(block) else _layout(block, shared)
                 if layout is not None:
-                    _make_region(block, layout)
+                    _make_region(block, layout, paths[id(block)])

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp_compile.api import gathered_params
 from fsdp_compile.testing.models import Transformer, TransformerConfig, loss_fn, make_batch
 
 STEPS = 5
@@ -344,7 +345,8 @@ def accumulate_run(rank, world, *, cfg, mode, **shard_options):
         "backward_collectives": [
             dict(count_collectives(g.backward.graph)) for g in (backend.graphs if backend else [])
         ],
-        "trainable": sum(p.requires_grad for p in model.parameters()),
+        # What the step reduces: a block's flat parameter once (NOTE: flat parameters).
+        "trainable": sum(p.requires_grad for p in gathered_params(model)),
         "reducing_buckets": sum(
             any(plan.param(i).requires_grad for i in bucket.param_ids)
             for plan in ([backend.graphs[-1].plan] if backend else [])
@@ -422,6 +424,18 @@ def assert_parity(results, tolerance: float = TOLERANCE):
         for mode, r in rank_result.items():
             assert r["loss_error"] < tolerance, (mode, r)
             assert r["param_error"] < tolerance, (mode, r)
+
+
+def flat_padding_bytes(model) -> int:
+    """Bytes of the padding rows in the flat parameters of ``model``'s blocks, all ranks'
+    slots together (NOTE: flat parameters, in fsdp_compile/flat_params.py)."""
+    from fsdp_compile import gathered_params
+
+    return sum(
+        (f.numel() - sum(m.param.numel() for m in f._mfsdp_members)) * f.element_size()
+        for f in gathered_params(model)
+        if hasattr(f, "_mfsdp_members")
+    )
 
 
 def persistent_bytes(model, opt) -> dict[str, int]:

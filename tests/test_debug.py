@@ -65,7 +65,10 @@ def test_plan_and_schedule_validate_and_agree_with_the_graph(tmp_path):
     jsonschema.validate(schedule, _schema("schedule.schema.json"))
 
     assert [p["fqn"] for p in plan["params"]] == [p.fqn for p in graph.plan.params]
-    assert "layers.0.attn.wqkv.weight" in {p["fqn"] for p in plan["params"]}
+    # A block's parameters are gathered as one flat parameter, which names them.
+    members = {m for p in plan["params"] for m in p["members"]}
+    assert "layers.0._flat0" in {p["fqn"] for p in plan["params"]}
+    assert "layers.0.attn.wqkv.weight" in members and "layers.2.mlp.down.weight" in members
     for role, gm in (("forward", graph.forward), ("backward", graph.backward)):
         listed = [c for c in schedule["collectives"] if c["graph"] == role]
         counts = count_collectives(gm.graph)

@@ -268,7 +268,11 @@ def test_float8_gathers_carry_half_the_bf16_bytes():
         float8_buckets = [b for b in float8.plan.buckets if b.param_dtype in (torch.uint8, torch.float8_e4m3fn)]
         assert any(b.param_dtype == torch.uint8 for b in float8_buckets)  # shared with bf16 norms
 
-        bf16_per_pass = sum(p.gathered_bytes for p in bf16.plan.params if p.fqn in converted)
+        # The same weights gathered in bf16: 2 bytes an element, padded rows included.
+        bf16_per_pass = sum(
+            p.gathered_bytes // p.wire_dtype.itemsize * torch.bfloat16.itemsize
+            for p in float8.plan.params if p.sharding.float8
+        )
         assert sum(f.nbytes for f in _gathers(bf16.forward)) == sum(p.gathered_bytes for p in bf16.plan.params)
         for gm in (float8.forward, float8.backward):  # gathered, then re-gathered (reshard)
             float8_bytes = sum(f.bytes_by_dtype.get(torch.float8_e4m3fn, 0) for f in _gathers(gm))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fsdp_compile import fully_shard, shard_info
+from fsdp_compile import fully_shard, gathered_params, shard_info
 from fsdp_compile.testing.models import TransformerConfig
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import ALL_GATHER, count_collectives
@@ -38,18 +38,18 @@ def test_resharded_forward_saves_no_gathered_param(world):
 
 @pytest.mark.parametrize("world", [8, 64])
 def test_collectives_per_step_match_plan(world):
-    """One all-gather per planned parameter in forward (tied weights once), one reduce-scatter
-    per trainable parameter in backward (frozen ones none), and the backward re-gathers each
-    parameter at most once, covering every parameter the keep-gathered variant saves.
-    Unbucketed: per-bucket counts are tests/test_bucketing.py's."""
+    """One all-gather per planned parameter in forward (tied weights once, a block's flat
+    parameter once), one reduce-scatter per trainable parameter in backward (frozen ones
+    none), and the backward re-gathers each parameter at most once, covering every parameter
+    the keep-gathered variant saves. Unbucketed: per-bucket counts are
+    tests/test_bucketing.py's."""
     cfg = TransformerConfig()
     with fake_process_group(world):
         model, resharded = _compile_step(cfg, reshard_after_forward=True, bucketing=False)
         torch._dynamo.reset()
         _, kept = _compile_step(cfg, reshard_after_forward=False, bucketing=False)
     plan = resharded.plan
-    unique_params = {id(p) for p in model.parameters()}
-    assert len(plan.params) == len(unique_params)
+    assert len(plan.params) == len(gathered_params(model)) == cfg.n_layers + 3  # embedding, positions, norm
     assert len(plan.trainable) == len(plan.params) - 1  # the frozen positional table
     forward, backward = (count_collectives(g.graph) for g in (resharded.forward, resharded.backward))
     assert forward == {"all_gather": len(plan.params)}

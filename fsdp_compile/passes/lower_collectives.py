@@ -14,8 +14,11 @@ from fsdp_compile.patterns import (
     WAIT,
     is_float8_cast,
     is_marker,
+    is_pack_for_reduce_scatter,
     is_reduce_grad,
+    is_split_gathered,
     is_unshard,
+    is_view,
     marker_param_id,
 )
 from fsdp_compile.plan import ParamPlan, Plan
@@ -115,6 +118,29 @@ def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx
     return _cast(graph, mine, param.dtype)
 
 
+def _flat_copies(marker: fx.Node) -> list[fx.Node]:
+    """A flat parameter's copies around its marker (NOTE: flat parameters, in
+    fsdp_compile/flat_params.py): after an ``unshard``, the copy-out, its per-member reads and
+    their trims; before a ``reduce_grad``, the gradients' packing and its view."""
+    if is_unshard(marker):
+        copies = [u for u in marker.users if is_split_gathered(u)]
+        frontier = [u for c in copies for u in c.users]
+        while frontier:  # getitems, then the slices trimming each member's padding rows
+            node = frontier.pop()
+            copies.append(node)
+            frontier.extend(u for u in node.users if is_view(u) and u.target is aten.slice.Tensor)
+        return copies
+    grad = marker.args[0]
+    if is_view(grad) and is_pack_for_reduce_scatter(grad.args[0]):
+        return [grad.args[0], grad]
+    return []
+
+
+def _members(copies: list[fx.Node]) -> list[fx.Node]:
+    """The gathered members among a flat's copies: what the block's body reads."""
+    return [n for n in copies if not is_split_gathered(n) and not any(u in copies for u in n.users)]
+
+
 def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards no marker is left: each ``unshard`` is a cast/pad/all_gather/wait/slice chain
     (only the cast for ``no_shard``) and each ``reduce_grad`` a reduce-scatter (ZeRO-2/3) or
@@ -126,6 +152,7 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if not is_marker(marker):
             continue
         param = plan.param(marker_param_id(marker))
+        copies = _flat_copies(marker)
         with inserting(gm.graph, before=marker) as chain:
             if is_unshard(marker) and param.sharding.float8 is not None:
                 _lower_float8_unshard(gm.graph, marker, param)
@@ -141,6 +168,10 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         inherited["mfsdp_param_id"] = param.param_id
         for node in chain:
             node.meta.update(inherited)
+        for node in copies:  # they move with the collective (schedule_collectives)
+            node.meta["mfsdp_param_id"] = param.param_id
+        for member in _members(copies) if is_unshard(marker) else ():
+            member.meta["mfsdp_unpacked"] = param.param_id
         if lowered is not None:
             marker.replace_all_uses_with(lowered)
         gm.graph.erase_node(marker)

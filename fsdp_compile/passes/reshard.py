@@ -8,7 +8,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile.fx_utils import finish
-from fsdp_compile.patterns import gathered_param_id, is_all_gather, is_view, is_wait
+from fsdp_compile.patterns import gathered_param_id, is_all_gather, is_split_gathered, is_view, is_wait
 from fsdp_compile.plan import Plan
 
 # The partitioner groups recompute decisions by activation-checkpoint region id; a large id
@@ -22,9 +22,14 @@ class GatherChain:
 
     param_id: int
     gather: tuple[fx.Node, ...]
-    """[cast], [pad], all_gather, wait, [slice]: the last one is the gathered parameter."""
+    """[cast], [pad], all_gather, wait, [slice]."""
+    unpack: tuple[fx.Node, ...]
+    """A flat parameter's copy-out (its ``split_gathered``, the per-member reads and trims);
+    empty for any other parameter."""
+    gathered: tuple[fx.Node, ...]
+    """The gathered parameter (the gather's last node), or a flat's gathered members."""
     views: tuple[fx.Node, ...]
-    """Views of the gathered parameter (t, view, expand, ...): saving one saves its storage."""
+    """Views of what was gathered (t, view, expand, ...): saving one saves its storage."""
 
 
 def gather_chains(gm: fx.GraphModule) -> list[GatherChain]:
@@ -39,30 +44,36 @@ def gather_chains(gm: fx.GraphModule) -> list[GatherChain]:
             gather.insert(0, gather[0].args[0])
         (wait,) = (u for u in node.users if is_wait(u))
         gather.append(wait)
-        slices = [u for u in wait.users if u.meta.get("mfsdp_param_id") == param_id]
-        gather.extend(slices)
-        views, frontier = [], list(gather[-1].users)
+        # lower_collectives tags the slice of the padding rows, and a flat's copy-out.
+        unpack, frontier = [], [u for u in wait.users if u.meta.get("mfsdp_param_id") == param_id]
+        while frontier:
+            current = frontier.pop(0)
+            (unpack if unpack or is_split_gathered(current) else gather).append(current)
+            frontier.extend(u for u in current.users if u.meta.get("mfsdp_param_id") == param_id)
+        gathered = [n for n in unpack if n.meta.get("mfsdp_unpacked") == param_id] if unpack else [gather[-1]]
+        views, frontier = [], [u for n in gathered for u in n.users]
         while frontier:
             current = frontier.pop()
             if is_view(current) and len(current.all_input_nodes) == 1:
                 views.append(current)
                 frontier.extend(current.users)
-        chains.append(GatherChain(param_id, tuple(gather), tuple(views)))
+        chains.append(GatherChain(param_id, tuple(gather), tuple(unpack), tuple(gathered), tuple(views)))
     return chains
 
 
 def reshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards every forward gather carries a recompute tag from the plan.
 
-    ``reshard_after_forward=True``: the gather chain and its views are ``MUST_RECOMPUTE``, so the
-    partitioned forward returns no gathered parameter and the backward gathers again.
-    ``False``: the gathered parameter is ``MUST_SAVE``; the backward has no all-gather for it.
+    ``reshard_after_forward=True``: the gather chain (a flat parameter's copy-out included) and
+    its views are ``MUST_RECOMPUTE``, so the partitioned forward returns no gathered parameter
+    and the backward gathers again. ``False``: the gathered parameter (a flat's members) is
+    ``MUST_SAVE``; the backward has no all-gather for it.
     """
     for chain in gather_chains(gm):
         if plan.param(chain.param_id).sharding.reshard_after_forward:
-            tagged = {n: CheckpointPolicy.MUST_RECOMPUTE for n in chain.gather + chain.views}
+            tagged = {n: CheckpointPolicy.MUST_RECOMPUTE for n in chain.gather + chain.unpack + chain.views}
         else:
-            tagged = {chain.gather[-1]: CheckpointPolicy.MUST_SAVE}
+            tagged = {n: CheckpointPolicy.MUST_SAVE for n in chain.gathered}
         for node, policy in tagged.items():
             node.meta["recompute"] = policy
             node.meta["ac_graph_id"] = RESHARD_AC_GRAPH_ID
@@ -71,7 +82,8 @@ def reshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 def check_reshard(gm: fx.GraphModule, plan: Plan) -> None:
     for chain in gather_chains(gm):
-        assert "recompute" in chain.gather[-1].meta, f"untagged gather of param {chain.param_id}"
+        for node in chain.gathered:
+            assert "recompute" in node.meta, f"untagged gather of param {chain.param_id}"
 
 
 def saved_gathered_params(forward: fx.GraphModule) -> list[int]:

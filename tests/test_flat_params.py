@@ -1,0 +1,156 @@
+"""A repeated block's parameters live in one flat buffer per group, gathered as one tensor
+(NOTE: flat parameters, in fsdp_compile/flat_params.py): what users see stays per parameter,
+and nothing they do to a parameter is lost on the way to the flat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_compile import MfsdpBackend, fully_shard, gathered_params
+from fsdp_compile.patterns import count_collectives, is_all_gather, is_unshard, is_view
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
+from harness import build_model, compile_one_step, fake_process_group, global_batch, relative_error, spawn
+
+CFG = TransformerConfig(n_layers=3)
+
+
+def _flat(layer: nn.Module) -> nn.Parameter:
+    (flat,) = layer._mfsdp_region_flats.values()
+    return flat
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+@pytest.mark.structure
+def test_a_block_s_parameters_are_views_of_one_flat_buffer():
+    """World 4, uneven shards: every parameter of a layer holds a view of the layer's flat, the
+    flat is no module parameter (the optimizer and state_dict see the same names as
+    unsharded), and an in-place update of a parameter, as an optimizer makes, is what the
+    flat holds."""
+    with fake_process_group(4, rank=3):
+        model = fully_shard(build_model(CFG))
+        names = {n for n, _ in model.named_parameters()}
+        assert names == {n for n, _ in build_model(CFG).named_parameters()}
+        assert set(model.state_dict()) == set(build_model(CFG).state_dict())
+        for layer in model.layers:
+            flat = _flat(layer)
+            assert all(p._mfsdp_flat is flat for p in layer.parameters())
+            assert all(_storage(p.to_local()) == _storage(flat.to_local()) for p in layer.parameters() if p.to_local().numel())
+            assert not any(p is flat for p in model.parameters())
+        member = dict(model.layers[1].named_parameters())["mlp.down.weight"]
+        with torch.no_grad():
+            member.to_local().add_(1.0)
+        offset = next(m.offset for m in _flat(model.layers[1])._mfsdp_members if m.param is member)
+        local = member.to_local()
+        assert torch.equal(_flat(model.layers[1]).to_local()[offset : offset + local.numel()], local.flatten())
+
+
+@pytest.mark.structure
+def test_one_gather_per_block_reads_the_flat_in_place():
+    """Dynamo's graph has one marker per block (and per root parameter); the forward gathers
+    each block's flat shard directly: no copy-in packs a block's bucket."""
+    with fake_process_group(8):
+        model = fully_shard(build_model(CFG))
+        graph = compile_one_step(model, CFG)
+    assert sum(is_unshard(n) for n in graph.dynamo.graph.nodes) == len(gathered_params(model)) == CFG.n_layers + 3
+    packs = [n for n in graph.forward.graph.nodes if n.target is torch.ops.bucketing._pre_bucket_all_gather.default]
+    layer_buckets = [b for b in graph.plan.buckets if b.name.startswith("layers.")]
+    assert len(layer_buckets) == CFG.n_layers and len(packs) == 1  # the root's bucket only
+    assert count_collectives(graph.forward.graph)["all_gather"] == len(graph.plan.buckets)
+    for node in graph.forward.graph.nodes:
+        if is_all_gather(node) and node.meta["mfsdp_bucket"] in {b.index for b in layer_buckets}:
+            shard = node.args[0]  # fp32 training: the flat shard itself, or a view of it
+            assert shard.op == "placeholder" or (is_view(shard) and shard.args[0].op == "placeholder")
+
+
+@pytest.mark.structure
+def test_materialising_a_meta_model_links_the_parameters_to_the_new_flat():
+    """``to_empty`` converts each flat once and links its parameters to it: initialising a
+    parameter in place writes the flat the step gathers."""
+    with fake_process_group(2):
+        with torch.device("meta"):
+            model = build_model(CFG)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        for layer in model.layers:
+            flat = _flat(layer)
+            assert not flat.is_meta and all(p._mfsdp_flat is flat for p in layer.parameters())
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.fill_(0.5)
+            first = flat._mfsdp_members[0]
+            assert torch.all(flat.to_local()[: first.numel] == 0.5)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_block_parameter_replaced_after_sharding_is_refused(compiled):
+    """The block would still gather the old parameter from its flat: a ValueError instead."""
+    with fake_process_group(2):
+        model = fully_shard(build_model(CFG))
+        model.layers[1].attn.wqkv.weight = nn.Parameter(torch.randn(3 * CFG.dim, CFG.dim))
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        tokens, _ = make_batch(CFG, 2, 8, 0)
+        with pytest.raises(ValueError, match="replaced after fully_shard"):
+            forward(tokens)
+
+
+@pytest.mark.structure
+def test_a_parameter_given_other_storage_is_refused():
+    """Swapped for a tensor of its own storage, a block's parameter no longer feeds the flat
+    the step reads: the next forward says so."""
+    with fake_process_group(2):
+        model = fully_shard(build_model(CFG))
+        member = dict(model.layers[0].named_parameters())["mlp.down.weight"]
+        torch.utils.swap_tensors(member, nn.Parameter(member.detach().clone()))
+        tokens, _ = make_batch(CFG, 2, 8, 0)
+        with pytest.raises(ValueError, match="no longer holds its shard"):
+            model(tokens)
+
+
+def _gradients_run(rank, world):
+    """Two backwards without zeroing, then one after zero_grad, with the head's weight and a
+    block parameter also read outside the blocks; gradients against the unsharded model's."""
+    cfg = CFG
+    reference = build_model(cfg)
+    model = fully_shard(build_model(cfg))
+    forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    errors = {}
+
+    def loss_of(net, run, tokens, targets):
+        extra = net.layers[1].mlp.down.weight.square().mean()  # read outside its block
+        return loss_fn(run(tokens), targets) + extra
+
+    for step, zero in ((0, False), (1, False), (2, True)):
+        if zero:
+            opt.zero_grad()
+            reference.zero_grad()
+        tokens, targets = global_batch(cfg, step, world)
+        loss_of(reference, reference, tokens, targets).backward()
+        local = slice(rank * 2, rank * 2 + 2)
+        loss_of(model, forward, tokens[local], targets[local]).backward()
+        ref = dict(reference.named_parameters())
+        errors[step] = max(
+            relative_error(p.grad.full_tensor(), ref[n].grad) for n, p in model.named_parameters() if p.requires_grad
+        )
+    member_grads = [p.grad for p in model.layers[0].parameters()]
+    return {
+        "errors": errors,
+        "dtensor": all(type(g).__name__ == "DTensor" for g in member_grads),
+        "one_buffer": len({g.to_local().untyped_storage().data_ptr() for g in member_grads if g.to_local().numel()}) == 1,
+    }
+
+
+@pytest.mark.multirank
+def test_gradients_reach_every_parameter_as_autograd_would():
+    """Two gloo ranks: each member's ``.grad`` is a DTensor view of its block's reduced
+    gradient, accumulates over backwards as autograd's does, starts afresh after
+    ``zero_grad``, and adds what a read outside the block contributes."""
+    for result in spawn(_gradients_run, 2):
+        assert all(error < 1e-5 for error in result["errors"].values()), result
+        assert result["dtensor"] and result["one_buffer"], result
