@@ -4,17 +4,20 @@
         ─> min-cut partition ─ forward / backward graphs ─ partitioned-stage passes
         ─> Inductor (compile_fx), or the eager FX runner
 
-A repeated block reaches the backend as one body called once per layer (``invoke_subgraph``;
-NOTE: one body per repeated block, in regions.py). AOTAutograd traces and partitions each body
-once (``CompiledGraph.partition`` sees the body's joint graph before the outer one), Inductor
-compiles it once, and every collective stays in the outer graphs where the passes act; with
-``compile_outside_blocks=False`` those outer graphs then run as Python (NOTE: what Inductor
-compiles, in compile_bodies.py).
+A repeated block reaches the backend as one ``fsdp_compile::block_forward`` node per layer
+(NOTE: one op per block call, in block_call.py): every collective stays in the step's graphs,
+where the passes act, and the block's body is a frame of its own that the same backend compiles
+(``MfsdpBackend.frame``), once per structure. With ``compile_outside_blocks=False`` Inductor
+compiles the bodies only: the step's graphs run as their Python, as FSDP2 runs the root of a
+model whose blocks are compiled.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
+import types
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,14 +29,14 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from fsdp_compile.compat import body_schema_once, compile_caches_work
-from fsdp_compile.compile_bodies import compile_bodies, holds_bodies
+from fsdp_compile.compat import compile_caches_work
 from fsdp_compile.debug import GraphDumper, debug_dir, dump_frames
+from fsdp_compile.patterns import is_block_call
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan
 from fsdp_compile.planner import build_plan
 
-__all__ = ["mfsdp_backend", "MfsdpBackend", "CompiledGraph", "register"]
+__all__ = ["mfsdp_backend", "MfsdpBackend", "CompiledGraph", "register", "compiling_backend"]
 
 _PACKAGE = Path(__file__).parent
 # What decides the code a graph compiles to: the cache key covers these files and the plan,
@@ -42,7 +45,7 @@ _COMPILED_CODE_SOURCES = tuple(
     sorted(
         str(p)
         for p in [*(_PACKAGE / "passes").glob("*.py"), *(_PACKAGE / f for f in (
-            "backend.py", "bucket_copies.py", "compat.py", "compile_bodies.py", "float8.py",
+            "backend.py", "bucket_copies.py", "compat.py", "float8.py",
             "fx_utils.py", "ops.py", "patterns.py", "pipeline.py", "plan.py", "planner.py",
         ))]
     )
@@ -92,9 +95,6 @@ class CompiledGraph:
         """Dynamo's graph, after the Dynamo-stage passes."""
         self.joint: fx.GraphModule | None = None
         """AOTAutograd's joint graph after the joint-stage passes (None on a cache hit)."""
-        self.bodies: dict[str, tuple[fx.GraphModule, fx.GraphModule]] = {}
-        """Each repeated block's body, partitioned once: forward and backward graphs, by the
-        order AOTAutograd partitioned them (``body0``, ``body1``...)."""
         self.compiled: dict[str, fx.GraphModule] = {}
         """"forward", "backward", "inference": each graph as compiled, after the
         partitioned-stage passes. AOTAutograd may compile the backward lazily, at the first
@@ -144,26 +144,28 @@ class CompiledGraph:
             self.dumper.graph("dynamo", self.dynamo)
         self.dynamo = self._run("dynamo", self.dynamo)
         partitioner = _Partitioner(self)
-        with body_schema_once():
-            if self.plan.options.compiler == "eager":
-                return aot_autograd(
-                    fw_compiler=self._with_partitioned_passes(_run_graph, "forward"),
-                    bw_compiler=self._with_partitioned_passes(_run_graph, "backward"),
-                    inference_compiler=self._with_partitioned_passes(_run_graph, "inference"),
-                    partition_fn=partitioner,
-                )(self.dynamo, self._example_inputs)
-            return self._inductor(partitioner)
+        options = self.plan.options
+        # NOTE: what Inductor compiles. With compile_outside_blocks=False the step's graphs
+        # run as their Python and Inductor compiles the blocks' bodies only (frames of their
+        # own, see block_call.py): compile time spent per layer is Dynamo's and AOTAutograd's
+        # alone, at the price of the unfused code around the blocks and of the AOTAutograd
+        # cache for the step, which stores only what Inductor compiled.
+        if options.compiler == "eager" or (
+            not options.compile_outside_blocks and any(is_block_call(n) for n in self.dynamo.graph.nodes)
+        ):
+            return aot_autograd(
+                fw_compiler=self._with_partitioned_passes(_run_graph, "forward"),
+                bw_compiler=self._with_partitioned_passes(_run_graph, "backward"),
+                inference_compiler=self._with_partitioned_passes(_run_graph, "inference"),
+                partition_fn=partitioner,
+            )(self.dynamo, self._example_inputs)
+        return self._inductor(partitioner)
 
     def _inductor(self, partitioner: _Partitioner) -> Callable:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        # With compile_outside_blocks=False a graph of repeated blocks gets its bodies compiled
-        # and runs the rest as Python (NOTE: what Inductor compiles, in compile_bodies.py).
-        whole = self.plan.options.compile_outside_blocks or not holds_bodies(self.dynamo)
-
         # NOTE: compile caches. A restart loads what Inductor compiled from its FX graph
-        # cache (the bodies; the forward and backward too where Inductor compiled them whole,
-        # which AOTAutograd's cache then also serves): our partitioner's uuid keys them (the
+        # cache, and the graph whole from AOTAutograd's: our partitioner's uuid keys them (the
         # files that decide the compiled code, and the plan, rank included). On an
         # AOTAutograd hit neither the partitioner nor the partitioned-stage passes run, so
         # `compiled` stays empty.
@@ -178,7 +180,7 @@ class CompiledGraph:
             return compile_fx(
                 self.dynamo,
                 self._example_inputs,
-                inner_compile=self._with_partitioned_passes(compile_fx_inner if whole else compile_bodies),
+                inner_compile=self._with_partitioned_passes(compile_fx_inner),
                 config_patches={
                     "custom_partitioner_fn": partitioner,
                     # Inductor's peak-memory reordering would move each gather down to its
@@ -190,17 +192,7 @@ class CompiledGraph:
             )
 
     def partition(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        """A joint graph to (forward, backward). AOTAutograd calls this first for each
-        repeated block's body (no joint inputs: the body's own joint graph, which holds no
-        collective of ours), then for the outer graph, which gets the joint-stage passes."""
-        if not joint_inputs:
-            forward, backward = self._partition(gm, joint_inputs, **kwargs)
-            name = f"body{len(self.bodies)}"
-            self.bodies[name] = (forward, backward)
-            if self.dumper:
-                self.dumper.graph(f"{name}_forward", forward)
-                self.dumper.graph(f"{name}_backward", backward)
-            return forward, backward
+        """A joint graph to (forward, backward), after the joint-stage passes."""
         if self.dumper:
             self.dumper.graph("joint", gm)
         self.joint = self._run("joint", gm)
@@ -231,21 +223,68 @@ class CompiledGraph:
         return compile_with_passes
 
 
+_BACKEND_SERIALS = itertools.count()
+
+
 class MfsdpBackend:
     """A Dynamo backend object; ``torch.compile(model, backend=MfsdpBackend(compiler="eager"))``.
 
-    Same as ``backend="mfsdp"`` with ``options``, and it keeps every graph it compiled in
-    ``self.graphs`` (plans and the graphs of each stage) for inspection and tests.
+    Same as ``backend="mfsdp"`` with ``options``, and it keeps every graph it compiled for
+    inspection and tests: ``graphs``, the step's (plans and the graphs of each stage), and
+    ``bodies``, each repeated block's body by name (one per block structure), compiled at its
+    first call.
     """
 
     def __init__(self, **options: Any) -> None:
         self.options = BackendOptions.parse(options)
         self.graphs: list[CompiledGraph] = []
+        self.bodies: dict[str, list[CompiledGraph]] = defaultdict(list)
+        self._serial = next(_BACKEND_SERIALS)
+        self._frames: dict[str, Callable] = {}
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        return self._compile(self.graphs, gm, example_inputs)
+
+    def _compile(self, graphs: list[CompiledGraph], gm: fx.GraphModule, example_inputs: list):
         graph = CompiledGraph(gm, example_inputs, self.options)
-        self.graphs.append(graph)
+        graphs.append(graph)
         return graph.compile()
+
+    def frame(self, name: str, body: Callable) -> Callable:
+        """``body`` (a repeated block's, NOTE: one op per block call) compiled by this backend
+        as a frame of its own: a code object per body and backend, so each has its own Dynamo
+        cache and recompile budget."""
+        if name not in self._frames:
+            code = body.__code__.replace(co_name=f"{name}_of_backend{self._serial}")
+            function = types.FunctionType(code, body.__globals__, code.co_name)
+            self._frames[name] = torch.compile(function, backend=functools.partial(self._compile, self.bodies[name]))
+        return self._frames[name]
+
+
+# ``backend="mfsdp"`` compiles each graph with a new backend object; the blocks' bodies, compiled
+# later, need one that lasts: one per set of options.
+_SHARED: dict[BackendOptions, MfsdpBackend] = {}
+
+
+def compiling_backend() -> MfsdpBackend | None:
+    """The mfsdp backend Dynamo is tracing the current frame for; None when Dynamo is not
+    tracing, or traces for another backend (run, not traced, from a function Dynamo calls)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    if torch._guards.TracingContext.try_get() is None:
+        return None
+    backend, kwargs = InstructionTranslator.current_tx().output.compiler_fn, {}
+    # Dynamo wraps the backend (WrapBackendDebug, then torch.compile's wrapper of a backend
+    # and its options).
+    while backend is not None and not isinstance(backend, MfsdpBackend):
+        if backend is mfsdp_backend:
+            options = BackendOptions.parse(kwargs.get("options"))
+            if options not in _SHARED:
+                _SHARED[options] = MfsdpBackend(**kwargs.get("options") or {})
+            return _SHARED[options]
+        kwargs = getattr(backend, "kwargs", None) or kwargs
+        backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
+    return backend
 
 
 def mfsdp_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None):

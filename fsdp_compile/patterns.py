@@ -31,6 +31,7 @@ from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_compile import bucket_copies as _bucket_copies  # noqa: F401  (registers its ops)
+from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
 from fsdp_compile.float8 import FLOAT8_CAST
 
@@ -107,9 +108,10 @@ def is_pack_for_reduce_scatter(node: fx.Node) -> bool:
     return _calls(node, PACK_FOR_REDUCE_SCATTER)
 
 
-def is_body_call(node: fx.Node) -> bool:
-    """A call of a repeated block's body (``invoke_subgraph``; see fsdp_compile/regions.py)."""
-    return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+def is_block_call(node: fx.Node) -> bool:
+    """A repeated block's call (its forward or its backward; NOTE: one op per block call, in
+    fsdp_compile/block_call.py)."""
+    return _calls(node, BLOCK_FORWARD) or _calls(node, BLOCK_BACKWARD)
 
 
 def is_view(node: fx.Node) -> bool:

@@ -85,14 +85,12 @@ def build_pipeline(plan: Plan) -> Pipeline:
     dynamo = [
         # First of all: a graph break is refused before any collective (the rank check) runs.
         *([Pass("check_graph_breaks", "dynamo", passes.check_graph_breaks, rewrites=False)] if options.cuda_graph else []),
-        *([Pass("inline_regions", "dynamo", passes.inline_regions, passes.check_inline_regions)] if not options.regional else []),
         Pass("dedupe_unshards", "dynamo", passes.dedupe_unshards, passes.check_dedupe_unshards),
         Pass("check_rank_agreement", "dynamo", passes.check_rank_agreement, rewrites=False),
     ]
     joint = [
         Pass("constant_opaque_outputs", "joint", passes.constant_opaque_outputs, passes.check_constant_opaque_outputs),
         Pass("lower_collectives", "joint", passes.lower_collectives, passes.check_lower_collectives),
-        Pass("reroute_region_saves", "joint", passes.reroute_region_saves, passes.check_reroute_region_saves),
         Pass("reshard", "joint", passes.reshard, passes.check_reshard),
     ]
     partitioned = [

@@ -42,16 +42,16 @@ class BackendOptions:
     max_inflight_bytes: int | None = None
     """Bound on gathered bytes alive at once; prefetch is shortened to keep under it. None: no bound."""
     regional: bool = True
-    """Compile each repeated block's body once (fsdp_compile/regions.py); False: inline every
-    body and compile the whole graph (slower to compile, may fuse across blocks)."""
+    """Compile each repeated block's body once, as a frame of its own called by one op per
+    layer (fsdp_compile/regions.py, block_call.py); False: trace every layer inline and
+    compile the whole graph (compile time grows with depth; Inductor may fuse across blocks)."""
     compile_outside_blocks: bool = True
-    """With ``regional`` and Inductor: Inductor compiles what lies outside the repeated blocks
-    too (embedding, final norm, head, loss, the collectives and their copies), which may fuse
-    that code and lets a restart load the whole graph from the AOTAutograd cache, at a compile
-    time that grows with depth; False: only the bodies are compiled and the rest runs as
-    Python, as FSDP2 runs a compiled model's root (NOTE: what Inductor compiles, in
-    fsdp_compile/compile_bodies.py). Not yet the default: its step time on a GPU is unmeasured.
-    A graph without repeated blocks is compiled whole either way."""
+    """With ``regional`` and Inductor: Inductor compiles the step's graphs too (embedding,
+    final norm, head, loss, the collectives and their copies around the blocks' calls), which
+    may fuse that code and lets a restart load them from the AOTAutograd cache; False: only
+    the blocks' bodies are compiled and the step's graphs run as Python, as FSDP2 runs a
+    compiled model's root (NOTE: what Inductor compiles, in fsdp_compile/backend.py). A graph
+    without repeated blocks is compiled whole either way."""
     compile_cache: bool = True
     """Read and write torch's AOTAutograd and Inductor caches (a restart loads the compiled
     graphs instead of compiling them); False, or a ``debug_dir``: compile afresh, so every
@@ -223,6 +223,10 @@ class Plan:
     """Sharded parameters the graph reads, in placeholder order."""
     buckets: tuple[BucketPlan, ...] = field(default=())
     """Parameters grouped per collective, in the forward's first-read order (``plan_buckets``)."""
+    gathered_inputs: tuple[int, ...] = field(default=())
+    """A repeated block's body (NOTE: one op per block call, in fsdp_compile/block_call.py):
+    the positions of its inputs that are gathered weights, which ``reshard`` keeps the body
+    from saving in any other form than as the input itself."""
 
     # Passes look a parameter up per marker node: dicts, built on first use (the dataclass
     # is frozen, so they cannot go stale).
@@ -256,6 +260,7 @@ class Plan:
             "options": asdict(self.options),
             "params": [p.to_dict() for p in self.params],
             "buckets": [asdict(b) for b in self.buckets],
+            "gathered_inputs": list(self.gathered_inputs),
         }
         return json.dumps(record, indent=2, default=dtype_name)
 

@@ -59,6 +59,9 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params = []
+    # A repeated block's body (a frame of its own, NOTE: one op per block call) takes its
+    # gathered weights as inputs marked so.
+    gathered = tuple(i for i, value in enumerate(example_inputs) if getattr(value, "_mfsdp_gathered", False))
     for node, value in zip(placeholders, example_inputs):
         info = shard_info(value)
         if info is None:
@@ -84,7 +87,9 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
     buckets = plan_buckets(
         params, read_order, enabled=options.bucketing, cap_bytes=options.bucket_cap_bytes
     )
-    return Plan(graph_name=str(graph_name), options=options, params=tuple(params), buckets=buckets)
+    return Plan(
+        graph_name=str(graph_name), options=options, params=tuple(params), buckets=buckets, gathered_inputs=gathered
+    )
 
 
 def _common_path(fqns: Sequence[str]) -> str:

@@ -2,39 +2,42 @@
 
 NOTE: one body per repeated block
     Dynamo, AOTAutograd, the partitioner and Inductor all cost time per traced op, so a
-    whole-model graph takes time linear in depth. torch's ``nested_compile_region`` traces a
-    marked function once and "stamps out" the same subgraph (an ``invoke_subgraph`` call) for
-    every later call whose inputs and guards match; AOTAutograd then traces, partitions and
-    compiles that body once. A block that reads its sharded parameters through our markers
-    cannot be such a body: each marker carries its parameter's id, so every layer's body
-    would differ, and the collectives would be hidden inside it, out of reach of bucketing
-    and prefetch. So ``fully_shard`` gives every repeated block (two or more children of one
-    class in an ``nn.ModuleList`` / ``nn.Sequential``, outermost only) a forward in two parts:
+    whole-model graph takes time linear in depth. A block that read its sharded parameters
+    through our markers inside its body could not be shared by the layers either: each
+    marker carries its parameter's id, and the collectives would be hidden inside the body,
+    out of reach of bucketing and prefetch. So ``fully_shard`` gives every repeated block (two
+    or more children of one class in an ``nn.ModuleList`` / ``nn.Sequential``, outermost only)
+    a forward in two parts:
 
     - in the caller's graph, every sharded parameter of the block is gathered: the block's
       shards lie in flat parameters (NOTE: flat parameters, in flat_params.py), one marker
-      and one copy-out each, and a parameter that fits no flat has a marker of its own (read
-      from a dict on the block rather than through its submodules: values the outer frame
-      has already wrapped are not re-checked when Dynamo decides to reuse a body);
-    - the body, ``_region``, runs the block's own forward with those gathered tensors put in
-      place of its parameters (``torch.nn.utils.stateless._reparametrize_module``, once per
-      owning submodule, which Dynamo understands and does not count as a side effect); the
-      getters return such plain tensors as they are (``api._gathered``).
+      each, and a parameter that fits no flat has a marker of its own (read from a dict on
+      the block rather than through its submodules: one graph input each, no module walk);
+    - the body, ``_region``, copies each flat's members out (``split_gathered``) and runs the
+      block's own forward with the gathered tensors put in place of its parameters
+      (``torch.nn.utils.stateless._reparametrize_module``, once per owning submodule, which
+      Dynamo understands and does not count as a side effect); the getters return such
+      plain tensors as they are (``api._gathered``).
 
-    Generated classes are shared per base class (``api._install_properties``), so the blocks'
-    modules have identical types and the body's guards hold for every layer. A layer that
-    differs in anything the body reads (an attribute, a submodule's class, a shape) fails
-    those guards and gets a body of its own; nothing is ever shared on trust. The backend can
-    inline the bodies again (``options={"regional": False}``) to compile the whole graph.
+    Compiled by mfsdp, the body is one ``fsdp_compile::block_forward`` node per layer in the
+    step's graph, and runs as a Dynamo frame of its own, compiled once per structure and
+    guarded at every call (NOTE: one op per block call, in block_call.py). Run eagerly, or
+    compiled with ``options={"regional": False}``, the body is called directly: the whole
+    graph holds every layer. Generated classes are shared per base class
+    (``api._install_properties``) and the body takes only what is the same for every layer
+    (the block, constants, tensors), so one compiled body serves every layer whose guards it
+    passes; a layer that differs in anything the body reads fails them and gets a compile of
+    its own.
 
 NOTE: structure before guards
-    Dynamo reuses a body for another call when the guards it collected while tracing the body
-    hold for the new call's sources. In torch 2.13 those guards miss two things a layer can
-    differ in: a submodule of another class, and a hook on one layer only (Dynamo does not
-    guard module hooks by default). Reusing layer 0's body there gives wrong numbers, silently
-    (tests/test_regions.py holds both). So blocks are first told apart by ``structure``: each
-    structure gets a body function of its own (``_body_for``, run while tracing), and
-    Dynamo's reuse, with its guards, only ever chooses among blocks alike in structure.
+    Dynamo's guards miss two things a layer can differ in: a hook on one layer only (Dynamo
+    does not guard module hooks by default) and, for a submodule reached through a module
+    it has already met, its class. A body compiled for layer 0 would then run for such a
+    layer, with wrong numbers and no error (tests/test_regions.py holds both). So blocks are
+    first told apart by ``structure``: each structure gets a body function of its own
+    (``_body_for``, run while tracing), with a code object, a frame cache and a traced
+    output layout of its own, and Dynamo's guards only ever choose among blocks alike in
+    structure.
 """
 
 from __future__ import annotations
@@ -44,20 +47,18 @@ import types
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.api import marker_args, next_param_id, shard_info, unshard_marker
+from fsdp_compile.block_call import BLOCK_FORWARD, BlockCall, call_record, register_call
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.flat_params import check_linked, converted_flat, flat_groups, make_flat
 
 __all__ = ["install_regions", "is_region", "RegionLayout"]
-
-# Every layer that fails the guards of the bodies traced so far adds one; torch's default of 8
-# would turn a model of many distinct blocks into an error instead of a slower compile.
-_MAX_BODIES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -87,20 +88,14 @@ def is_region(module: nn.Module) -> bool:
 def _region_forward(self: nn.Module, *args, **kwargs):
     # The markers' constants come from one call Dynamo runs rather than traces: read field by
     # field from each ShardInfo, they were a guard each (28% of Dynamo's time on an HF Llama,
-    # A B A B). Nothing else of a ShardInfo is read here either (a region holds no float8
-    # weight, see _layout): each read was a guard too.
-    flats, alone, slots = _gather_recipe(self._mfsdp_region_key)
-    gathered = []
-    for flat, (constants, unpack, trims) in zip(self._mfsdp_region_flats.values(), flats):
-        members = torch.ops.fsdp_compile.split_gathered.default(unshard_marker(flat.to_local(), constants), *unpack)
-        gathered.extend(m if rows is None else m[:rows] for m, rows in zip(members, trims))
+    # A B A B).
+    flats, alone, recipe = _gather_recipe(self._mfsdp_region_key)
+    gathered = [unshard_marker(f.to_local(), c) for f, c in zip(self._mfsdp_region_flats.values(), flats)]
     gathered.extend(unshard_marker(p.to_local(), c) for p, c in zip(self._mfsdp_region_params.values(), alone))
-    weights = [gathered[i] for i in slots]
-    # The body takes flat leaves only (the block, a constant, tensors, None...): then Dynamo
-    # fingerprints each call for reuse directly, instead of tracing pytree.tree_flatten over
-    # the call's arguments per layer (74 ms a layer for an HF decoder layer). Tuples are
-    # opened one level (HF's position_embeddings); one constant says how to regroup.
-    leaves, widths = weights, [len(weights)]
+    # The body takes flat leaves only (the block, constants, tensors, None...), the same for
+    # every layer: a frame of its own guards on each argument. Tuples are opened one level
+    # (HF's position_embeddings); one constant says how to regroup.
+    leaves, widths = [], [len(gathered)]
     for value in (*args, *kwargs.values()):
         if type(value) is tuple:
             widths.append(len(value))
@@ -109,29 +104,52 @@ def _region_forward(self: nn.Module, *args, **kwargs):
             widths.append(_NOT_OPENED)
             leaves.append(value)
     layout = _call_layout(len(args), tuple(kwargs), tuple(widths))
-    name = _body_for(self._mfsdp_region_key)
-    if not name:  # traced inline: see _body_for
-        return _region(self, layout, *leaves)
-    return getattr(_BODIES, name)(self, layout, *leaves)
+    constants = tuple(() if isinstance(v, torch.Tensor) else (v,) for v in leaves)
+    call = _block_call(self._mfsdp_region_key, layout, recipe, constants, torch.is_grad_enabled())
+    if call < 0:  # run eagerly, or traced inline
+        return _region(self, layout, recipe, *gathered, *leaves)
+    outputs = BLOCK_FORWARD(gathered, [v for v in leaves if isinstance(v, torch.Tensor)], call)
+    return _regroup(_output_form(call), outputs)
 
 
 @torch._dynamo.assume_constant_result
 def _gather_recipe(block_key: int) -> tuple:
     """What the wrapper of the block ``block_key`` gathers, as constants (run, not traced, by
-    Dynamo): per flat parameter its marker's arguments, ``split_gathered``'s and the rows to
-    keep of each member; the markers' arguments of the parameters on their own; the body's
-    weights as indices into the gathered values. Refuses a block whose parameters were
+    Dynamo): the markers' arguments of its flat parameters, then of the parameters on their
+    own, and the index of its recipe (``_RECIPES``). Refuses a block whose parameters were
     replaced since ``fully_shard``: its wrapper would gather the old ones."""
     block = _BLOCKS[block_key]
     _check_params(block)
     return (
-        tuple(
-            (marker_args(shard_info(f), f.dtype), f._mfsdp_layout.unpack_args(shard_info(f).param_dtype), f._mfsdp_layout.trims())
-            for f in block._mfsdp_region_flats.values()
-        ),
+        tuple(marker_args(shard_info(f), f.dtype) for f in block._mfsdp_region_flats.values()),
         tuple(marker_args(shard_info(p), p.dtype) for p in block._mfsdp_region_params.values()),
-        block._mfsdp_region.slots,
+        _recipe_index(block),
     )
+
+
+# How gathered values become a block's parameters: per flat, ``split_gathered``'s arguments and
+# the rows each member keeps; the body's weights as indices into the members and the parameters
+# on their own; the owners those weights go to. The same for every block of one structure and
+# sharding, so a body's frame sees one value. Append-only; read by index.
+_RECIPES: list[tuple] = []
+
+
+def _recipe_index(block: nn.Module) -> int:
+    layout: RegionLayout = block._mfsdp_region
+    flats = block._mfsdp_region_flats.values()
+    recipe = (
+        tuple((f._mfsdp_layout.unpack_args(shard_info(f).param_dtype), f._mfsdp_layout.trims()) for f in flats),
+        layout.slots,
+        layout.owners,
+    )
+    if recipe not in _RECIPES:
+        _RECIPES.append(recipe)
+    return _RECIPES.index(recipe)
+
+
+@torch._dynamo.assume_constant_result
+def _recipe_of(recipe: int) -> tuple:
+    return _RECIPES[recipe]
 
 
 def _check_params(block: nn.Module) -> None:
@@ -167,9 +185,16 @@ def _with_weights(block: nn.Module, owners, weights, args, kwargs):
         return _with_weights(block, rest, weights[len(names) :], args, kwargs)
 
 
-def _region(block: nn.Module, layout: int, *leaves):
+def _region(block: nn.Module, layout: int, recipe: int, *leaves):
+    """The body: the gathered flats copied out into the block's parameters, then its forward."""
     n_args, names, widths = _call_layout_of(layout)
-    weights, at, values = leaves[: widths[0]], widths[0], []
+    unpacks, slots, owners = _recipe_of(recipe)
+    gathered, members = leaves[: widths[0]], []
+    for full, (unpack, trims) in zip(gathered, unpacks):
+        copied = torch.ops.fsdp_compile.split_gathered.default(full, *unpack)
+        members.extend(m if rows is None else m[:rows] for m, rows in zip(copied, trims))
+    members.extend(gathered[len(unpacks) :])
+    at, values = widths[0], []
     for width in widths[1:]:
         if width == _NOT_OPENED:
             values.append(leaves[at])
@@ -178,12 +203,12 @@ def _region(block: nn.Module, layout: int, *leaves):
             values.append(tuple(leaves[at : at + width]))
             at += width
     args, kwargs = tuple(values[:n_args]), dict(zip(names, values[n_args:]))
-    return _with_weights(block, block._mfsdp_region.owners, weights, args, kwargs)
+    return _with_weights(block, owners, [members[i] for i in slots], args, kwargs)
 
 
 _NOT_OPENED = -1
 # How a body call's flat leaves regroup: (positional count, keyword names, widths), the
-# first width the weights'. Append-only; a call names its entry by index, a constant.
+# first width the gathered weights'. Append-only; a call names its entry by index, a constant.
 _CALL_LAYOUTS: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
 
 
@@ -203,10 +228,42 @@ def _call_layout_of(layout: int) -> tuple[int, tuple[str, ...], tuple[int, ...]]
     return _CALL_LAYOUTS[layout]
 
 
+@torch._dynamo.assume_constant_result
+def _block_call(block_key: int, layout: int, recipe: int, constants: tuple, train: bool) -> int:
+    """The ``block_forward`` call of the block ``block_key`` (an index, see
+    fsdp_compile/block_call.py), or -1 where the body runs inline: outside a compile by
+    mfsdp, or under ``options={"regional": False}`` (run, not traced, by Dynamo)."""
+    from fsdp_compile.backend import compiling_backend  # the backend builds on the regions
+
+    backend = compiling_backend()
+    if backend is None or not backend.options.regional:
+        return -1
+    block = _BLOCKS[block_key]
+    name, body = _body_for(block)
+    return register_call(BlockCall(
+        block=weakref.ref(block), body=body, name=name, layout=layout, recipe=recipe,
+        constants=constants, train=train, backend=weakref.ref(backend),
+    ))
+
+
+@torch._dynamo.assume_constant_result
+def _output_form(call: int) -> tuple:
+    """How the call's outputs regroup (known once ``block_forward``'s fake kernel ran)."""
+    return call_record(call).traced["form"]
+
+
+def _regroup(form: tuple, outputs: list) -> Any:
+    if form[0] == "tensor":
+        return outputs[0]
+    tensors = iter(outputs)
+    values = [next(tensors) if not c else c[0] for c in form[1]]
+    return tuple(values) if form[0] == "tuple" else values
+
+
 def structure(block: nn.Module) -> tuple:
-    """What a block's body may depend on that Dynamo does not guard when it reuses a body for
-    another layer: the class of every submodule, its hooks, its training flag, and the names,
-    shapes and dtypes of its parameters and buffers (see NOTE: structure before guards)."""
+    """What a block's body may depend on that Dynamo's guards do not see: the class of every
+    submodule, its hooks, its training flag, and the names, shapes and dtypes of its
+    parameters and buffers (see NOTE: structure before guards)."""
     return tuple(
         (
             path,
@@ -224,40 +281,24 @@ def structure(block: nn.Module) -> tuple:
     )
 
 
-# One body function per block structure, each with a code object of its own: Dynamo keeps
-# its reuse entries per code object, so blocks of different structure never meet.
-# Attributes, not list items: Dynamo reads an attribute afresh, while a list it has met once in
-# a trace would not show a body added since.
-_BODIES = types.SimpleNamespace()
-_BODY_OF: dict[tuple, str] = {}
-# The region blocks by id, for _body_for (a function Dynamo runs rather than traces takes
+# One body function per block structure, each with a code object of its own (see NOTE:
+# structure before guards).
+_BODY_OF: dict[tuple, tuple[str, Callable]] = {}
+# The region blocks by key, for the functions Dynamo runs rather than traces (they take
 # constants only).
 _BLOCKS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
-# Keys, not id(block): id() of a module in the traced wrapper is an ID_MATCH guard on the block,
-# which Dynamo's reuse check re-evaluates for the next layer (the block is the body's argument)
-# and which then always fails.
+# Keys, not id(block): id() of a module in the traced wrapper is an ID_MATCH guard on it.
 _BLOCK_KEYS = itertools.count()
 
 
-@torch._dynamo.assume_constant_result
-def _body_for(block_key: int) -> str:
-    """The name in ``_BODIES`` of the region function for the structure the block
-    ``block_key`` has now: Dynamo runs this in Python while tracing, so a hook added after
-    fully_shard counts, at no guard's cost.
-
-    "" under ``torch.compile(dynamic=True)``: the block is then traced inline, as with
-    ``regional=False``, because torch 2.13's reuse of a body fails there (``KeyError`` in
-    Dynamo's ``stamp_out_subgraph`` once a symbolic size of the first call has been
-    specialized). Automatic dynamic shapes, the default, keep one body per block."""
-    if not torch._dynamo.config.assume_static_by_default:
-        return ""
-    key = structure(_BLOCKS[block_key])
+def _body_for(block: nn.Module) -> tuple[str, Callable]:
+    """The name and body function for the structure ``block`` has now: run while tracing, so
+    a hook added after fully_shard counts."""
+    key = structure(block)
     if key not in _BODY_OF:
         name = f"_region_{len(_BODY_OF)}"
         code = _region.__code__.replace(co_name=name)
-        body = types.FunctionType(code, _region.__globals__, name)
-        setattr(_BODIES, name, torch.compiler.nested_compile_region(max_reuse_entries=_MAX_BODIES)(body))
-        _BODY_OF[key] = name
+        _BODY_OF[key] = (name, types.FunctionType(code, _region.__globals__, name))
     return _BODY_OF[key]
 
 
@@ -309,9 +350,10 @@ def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
             if param is None:
                 continue
             info = shard_info(param)
-            # A float8 weight reaches the body as torchao's Float8TrainingTensor, and torch
-            # 2.13's invoke_subgraph takes no tensor-subclass input under AOTAutograd (no rule
-            # for it): such a block is traced inline, as with regional=False.
+            # A float8 weight is read as torchao's Float8TrainingTensor, which the float8 cast
+            # makes after the gather; a block's call takes plain tensors only (a subclass
+            # input would need the op to be one torchao's dispatch knows): such a block is
+            # traced inline, as with regional=False.
             if info is None or id(param) in shared or info.float8 is not None:
                 return None
             owners[path].append(name)

@@ -29,10 +29,11 @@ from fsdp_compile.patterns import (
     CollectiveFacts,
     bucket_index,
     collective_facts,
-    is_body_call,
+    is_block_call,
     is_collective,
     is_wait,
 )
+from fsdp_compile.block_call import BLOCK_BACKWARD, call_record
 from fsdp_compile.plan import Plan
 
 __all__ = ["Hardware", "NVLINK_GPU", "Collective", "collective_schedule", "estimate_timeline", "Timeline"]
@@ -171,12 +172,21 @@ def _count_flops(target, args, kwargs) -> int:
     return counter.get_total_flops()
 
 
+def _block_seconds(node: fx.Node, hw: Hardware) -> float:
+    """A repeated block's call: its body's forward or backward ops, counted when the step was
+    traced (block_call.py)."""
+    cost = call_record(node.args[-1]).traced.get("cost")
+    if cost is None:  # a graph not traced in this process
+        return 0.0
+    flops, nbytes = cost["backward" if node.target == BLOCK_BACKWARD else "forward"]
+    return flops / hw.flops + nbytes / hw.memory_bandwidth
+
+
 def _compute_seconds(gm: fx.GraphModule, node: fx.Node, hw: Hardware) -> float:
-    """Roofline time of one compute node; a repeated block's body call costs its body's
-    nodes (the call itself is one node whose FLOPs no counter sees)."""
-    if is_body_call(node):
-        body = getattr(gm, node.args[0].target)
-        return sum(_compute_seconds(body, n, hw) for n in body.graph.nodes if _is_compute(n))
+    """Roofline time of one compute node; a repeated block's call costs its body's ops, since
+    the call is one node no counter sees into."""
+    if is_block_call(node):
+        return _block_seconds(node, hw)
     flops = _node_flops(node)
     return flops / hw.flops if flops else _nbytes(node.meta.get("val")) / hw.memory_bandwidth
 

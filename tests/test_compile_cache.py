@@ -2,7 +2,8 @@
 
 A second process compiling the same model on the same machine (the same cache folder) reads
 the compiled forward, backward and repeated-block bodies from AOTAutograd's and Inductor's
-caches: the partitioner's key is stable across processes and differs per rank and per plan.
+caches: the partitioner's key is stable across processes and differs per rank and per plan
+(a body's, which holds nothing rank-specific, is the same on every rank).
 torch 2.13 keys a graph with DeviceMesh inputs differently in every process and loads a
 cached graph without its opaque constants (the gradients' DeviceMesh); ``fsdp_compile.compat``
 works around both, which these tests hold: restarts used to miss, and a hit used to fail in
@@ -59,7 +60,9 @@ def test_a_restart_reads_the_caches_and_computes_the_same_step(tmp_path):
     fresh = spawn(_mlp_step, 2, cache_dir=str(tmp_path), compile_cache=False)
     for rank in range(2):
         (loss, grads, meshes, cold_caches), (_, _, _, warm_caches) = cold[rank], warm[rank]
-        assert not any(k.endswith("_hit") for k in cold_caches), cold_caches
+        # The cold run compiles; a body (here each Linear, a repeated block of the Sequential)
+        # holds nothing rank-specific, so one rank may load what its peer wrote a moment ago.
+        assert cold_caches.get("fxgraph_cache_miss", 0) >= 2, cold_caches
         assert warm_caches.get("autograd_cache_hit", 0) >= 1, warm_caches
         assert warm_caches.get("fxgraph_cache_hit", 0) >= 2, warm_caches  # forward and backward
         assert not any(k.endswith("_hit") for k in fresh[rank][3]), fresh[rank][3]
@@ -84,9 +87,9 @@ def _transformer_run(rank, world, *, cache_dir, **options):
 def test_repeated_block_bodies_come_from_the_cache_too(tmp_path, compile_outside_blocks):
     """Regional compilation (the default) and the caches compose: the restart trains three
     steps to the same losses with every graph Inductor compiled loaded, none compiled: the
-    outer forward and backward, each holding its body once (the default), or with
-    ``compile_outside_blocks=False`` the block's forward and backward bodies (the rest runs
-    as Python; NOTE: what Inductor compiles). The test model's fused linear is an ``autograd.Function``,
+    block's forward and backward bodies, and the step's forward and backward (the default),
+    or with ``compile_outside_blocks=False`` the bodies alone (the rest runs as Python;
+    NOTE: what Inductor compiles). The test model's fused linear is an ``autograd.Function``,
     which AOTAutograd's cache refuses, so this reads Inductor's cache alone (the MLP above
     reads both)."""
     options = {"compile_outside_blocks": compile_outside_blocks}
@@ -94,7 +97,9 @@ def test_repeated_block_bodies_come_from_the_cache_too(tmp_path, compile_outside
     warm = spawn(_transformer_run, 2, cache_dir=str(tmp_path), **options)
     for (cold_losses, cold_caches), (warm_losses, warm_caches) in zip(cold, warm):
         assert torch.equal(cold_losses, warm_losses)
-        compiled = cold_caches["fxgraph_cache_miss"]
+        # What the cold run compiled, or loaded from its peer rank (a body's entry is the same
+        # on every rank).
+        compiled = cold_caches["fxgraph_cache_miss"] + cold_caches.get("fxgraph_cache_hit", 0)
         assert compiled >= 2, cold_caches
         assert warm_caches.get("fxgraph_cache_hit", 0) == compiled, (cold_caches, warm_caches)
         assert warm_caches.get("fxgraph_cache_miss", 0) == 0, warm_caches

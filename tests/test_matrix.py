@@ -131,9 +131,9 @@ def _debug_dumps(ctx: RankContext) -> dict:
     model = ctx.shard(build_model(ctx.layout.cfg))
     forward, backend = ctx.compiled(model, debug_dir=str(root))
     _one_step(ctx, forward)
-    (graph_folder,) = (root / f"rank{ctx.rank}").glob("graph_*")
+    (graph,) = backend.graphs  # the step's; each block body dumps a folder of its own
+    graph_folder = graph.dumper.folder
     schedule = json.loads((graph_folder / "schedule.json").read_text())
-    (graph,) = backend.graphs
     in_graphs = sum(sum(count_collectives(gm.graph).values()) for gm in (graph.forward, graph.backward))
     return {
         "files": sorted(p.name for p in graph_folder.iterdir()),
@@ -163,7 +163,7 @@ def _bench_census(ctx: RankContext) -> dict:
         _one_step(ctx, forward)
     kinds = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
     return {
-        "graphs": {k: graph_census(backend.graphs)[k] for k in kinds},
+        "graphs": {k: graph_census(backend.graphs, backend.bodies)[k] for k in kinds},
         "profiled": {k: profiled_census(prof)[k] for k in kinds},
     }
 

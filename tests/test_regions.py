@@ -1,10 +1,11 @@
 """Repeated blocks compile once, and a block that differs never borrows another's body.
 
-A block body is shared between layers only when Dynamo's guards for everything the body read
-hold for the other layer (NOTE: one body per repeated block, in fsdp_compile/regions.py). The
-soundness tests change one layer of four in each thing a body can depend on, and compare loss
-and every gradient with the unsharded model: a stamped-out body with layer 0's value baked in
-is off by far more than rounding.
+A block's body is a frame of its own, compiled once per structure and shared between layers
+only when Dynamo's guards for everything the body read hold for the other layer (NOTE: one
+body per repeated block, in fsdp_compile/regions.py; NOTE: one op per block call, in
+fsdp_compile/block_call.py). The soundness tests change one layer of four in each thing a body
+can depend on, and compare loss and every gradient with the unsharded model: a body compiled
+for layer 0 with its value baked in is off by far more than rounding.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile.block_call import BLOCK_FORWARD, call_record
 from fsdp_compile.testing.models import RMSNorm, TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives, is_all_gather
@@ -21,7 +23,6 @@ from fsdp_compile.regions import is_region
 from harness import (
     assert_parity,
     build_model,
-    compile_one_step,
     fake_process_group,
     full_parameters,
     parity_run,
@@ -29,58 +30,52 @@ from harness import (
     spawn,
 )
 
-INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 CFG = TransformerConfig(n_layers=4)
 
 
 def _calls(gm) -> list[str]:
-    """The body each invoke_subgraph call of a graph runs."""
-    return [n.args[0].target for n in gm.graph.nodes if n.op == "call_function" and n.target is INVOKE_SUBGRAPH]
+    """The body each block call of a graph runs, by name (one per block structure)."""
+    return [call_record(n.args[-1]).name for n in gm.graph.nodes if n.target is BLOCK_FORWARD]
 
 
 def _compiled_step(cfg=CFG, world=8, **options):
+    """The model, the step's graph and the backend (its ``bodies``)."""
     with fake_process_group(world):
         model = fully_shard(build_model(cfg))
-        graph = compile_one_step(model, cfg, **options)
-    return model, graph
+        backend = MfsdpBackend(compiler="eager", **options)
+        tokens, targets = make_batch(cfg, 2, 8, 0)
+        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
+    (graph,) = backend.graphs
+    return model, graph, backend
 
 
 @pytest.mark.structure
-def test_the_joint_trace_builds_each_body_schema_once(monkeypatch):
-    """AOTAutograd asks for a body's schema at every call (torch traces the body again to build
-    it); with compat.body_schema_once it is built once per body, however many layers call it.
-    (Symbolic sizes in its key: tests/test_recompile.py, whose second shape compiles dynamic.)"""
-    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
-
-    built = []
-    original = InvokeSubgraphHOP.gen_schema
-
-    def counting(self, subgraph, identifier, *operands):
-        built.append(identifier)
-        return original(self, subgraph, identifier, *operands)
-
-    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counting)
-    _compiled_step(TransformerConfig(n_layers=6))
-    assert built and len(built) == len(set(built)), built
+def test_six_layers_compile_one_body_once():
+    """Dynamo traces and the backend compiles the body once for six layers: every layer after
+    the first passes its guards (a guard that named one layer, such as its id, would compile
+    the body six times)."""
+    _, graph, backend = _compiled_step(TransformerConfig(n_layers=6))
+    assert len(_calls(graph.dynamo)) == 6
+    (compiled,) = backend.bodies.values()
+    assert len(compiled) == 1
 
 
 @pytest.mark.structure
 def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
-    """Four identical layers: Dynamo's graph calls one body four times, AOTAutograd partitions it
-    once, and every gather and reduce-scatter is in the outer graphs, one bucket per layer,
-    where the schedule prefetches the next layer's gather ahead of this layer's body."""
-    model, graph = _compiled_step()
+    """Four identical layers: the step's graph calls one body four times, compiled once, and
+    every gather and reduce-scatter is in the step's graphs, one bucket per layer, where the
+    schedule prefetches the next layer's gather ahead of this layer's body."""
+    model, graph, backend = _compiled_step()
     assert all(is_region(layer) for layer in model.layers)
     calls = _calls(graph.dynamo)
     assert len(calls) == CFG.n_layers and len(set(calls)) == 1
-    assert list(graph.bodies) == ["body0"]
-    for forward, backward in graph.bodies.values():
-        assert not any(is_all_gather(n) for gm in (forward, backward) for n in gm.graph.nodes)
+    ((body,),) = backend.bodies.values()
+    assert not any(is_all_gather(n) for role in ("forward", "backward") for n in body.compiled[role].graph.nodes)
     layer_buckets = [b for b in graph.plan.buckets if b.name.startswith("layers.")]
     assert count_collectives(graph.forward.graph)["all_gather"] == len(layer_buckets) + 1  # + the root
     assert graph.forward.meta["mfsdp_prefetch"] == {b.index: min(b.index, 1) for b in graph.plan.buckets}
-    # Resharded: no gathered block parameter crosses from forward to backward (the body's own
-    # saved inputs are rerouted to the gather, which backward repeats).
+    # Resharded: no gathered block parameter crosses from forward to backward in the step (the
+    # body keeps its weights as inputs it is handed again, NOTE: one op per block call).
     kept = {p.param_id for p in graph.plan.params if not p.sharding.reshard_after_forward}
     assert set(saved_gathered_params(graph.forward)) <= kept
     assert count_collectives(graph.backward.graph)["all_gather"] == len(layer_buckets)
@@ -90,10 +85,10 @@ def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
 def test_regional_and_whole_graph_compile_the_same_step():
     """options={"regional": False} inlines the bodies: one graph of every layer, the same
     collectives."""
-    _, regional = _compiled_step()
+    _, regional, _ = _compiled_step()
     torch._dynamo.reset()
-    _, whole = _compiled_step(regional=False)
-    assert _calls(whole.dynamo) == [] and whole.bodies == {}
+    _, whole, backend = _compiled_step(regional=False)
+    assert _calls(whole.dynamo) == [] and not backend.bodies
     for role in ("forward", "backward"):
         assert count_collectives(getattr(regional, role).graph) == count_collectives(getattr(whole, role).graph)
 
@@ -156,6 +151,7 @@ def _one_step_against_reference(rank, world, *, how):
         "loss": relative_error(loss.detach(), ref_loss.detach()),
         "grads": max(relative_error(g, dict(reference.named_parameters())[n].grad) for n, g in grads.items()),
         "calls": {body: calls.count(body) for body in set(calls)},
+        "compiles": sum(len(graphs) for graphs in backend.bodies.values()),
         "params": set(full_parameters(model)) == {n for n, _ in reference.named_parameters()},
     }
 
@@ -166,12 +162,12 @@ def _one_step_against_reference(rank, world, *, how):
 )
 def test_a_layer_that_differs_gets_its_own_body(how):
     """One world-1 gloo rank (real data), one step. Each change reaches the body's result, so
-    reusing layer 0's body for layer 2 would show in the loss (checked to fail for the class
-    and hook cases with torch's guard-free reuse, ``reuse_hash_fn``)."""
+    running layer 0's compiled body for layer 2 would show in the loss (the class and hook
+    cases are what Dynamo's guards miss: NOTE: structure before guards)."""
     (result,) = spawn(_one_step_against_reference, 1, how=how)
     assert result["loss"] < 1e-6 and result["grads"] < 1e-5, result
     assert result["params"]
     if how == "none":
-        assert list(result["calls"].values()) == [CFG.n_layers], result
-    else:  # layer 2 runs a body of its own (inlined where it is called once)
-        assert sorted(result["calls"].values())[-1] == CFG.n_layers - 1, result
+        assert list(result["calls"].values()) == [CFG.n_layers] and result["compiles"] == 1, result
+    else:  # layer 2: a body of its own (another structure), or the same body compiled again
+        assert result["compiles"] == 2, result

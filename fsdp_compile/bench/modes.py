@@ -14,7 +14,7 @@ own shards, the same in every mode); the others are built whole from the seed fi
   one graph instead of one body per repeated block;
 - ``mfsdp-bodies``: ``mfsdp`` with ``compile_outside_blocks=False``: Inductor compiles the
   blocks' bodies only, the code outside them runs as ATen calls (NOTE: what Inductor
-  compiles, in fsdp_compile/compile_bodies.py);
+  compiles, in fsdp_compile/backend.py);
 - ``mfsdp-cudagraph``: ``mfsdp`` with ``cuda_graph=True``, the whole step captured by
   ``capture_step`` (CUDA only).
 
@@ -213,7 +213,7 @@ def run_mode(mode: str, run: RunConfig, device: torch.device) -> dict:
         "profiled_collectives": profiled,
     }
     result["collectives"] = (
-        graph_census(backend.graphs) if backend is not None else result["profiled_collectives"]
+        graph_census(backend.graphs, backend.bodies) if backend is not None else result["profiled_collectives"]
     )
     if mode == "mfsdp-cudagraph":
         step.teardown()

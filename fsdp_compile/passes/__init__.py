@@ -2,9 +2,8 @@
 
 Order (see ``fsdp_compile.pipeline.build_pipeline``):
   Dynamo graph:  (check_graph_breaks, only with options["cuda_graph"])
-                 -> (inline_regions, only with options["regional"] False)
                  -> dedupe_unshards -> check_rank_agreement
-  joint graph:   constant_opaque_outputs -> lower_collectives -> reroute_region_saves -> reshard
+  joint graph:   constant_opaque_outputs -> lower_collectives -> reshard
                  -> (min-cut partition)
   partitioned:   bucket_collectives -> schedule_collectives (forward and backward)
                  -> check_cuda_graph (only with options["cuda_graph"])
@@ -19,9 +18,7 @@ from fsdp_compile.passes.constant_opaque_outputs import (
     constant_opaque_outputs,
 )
 from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_unshards
-from fsdp_compile.passes.inline_regions import check_inline_regions, inline_regions
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
-from fsdp_compile.passes.reroute_region_saves import check_reroute_region_saves, reroute_region_saves
 from fsdp_compile.passes.reshard import check_reshard, reshard, saved_gathered_params
 from fsdp_compile.passes.schedule_collectives import (
     CollectiveGroup,
@@ -45,10 +42,6 @@ __all__ = [
     "check_dedupe_unshards",
     "constant_opaque_outputs",
     "check_constant_opaque_outputs",
-    "inline_regions",
-    "check_inline_regions",
-    "reroute_region_saves",
-    "check_reroute_region_saves",
     "lower_collectives",
     "check_lower_collectives",
     "reshard",

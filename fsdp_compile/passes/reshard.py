@@ -44,20 +44,46 @@ def gather_chains(gm: fx.GraphModule) -> list[GatherChain]:
             gather.insert(0, gather[0].args[0])
         (wait,) = (u for u in node.users if is_wait(u))
         gather.append(wait)
-        # lower_collectives tags the slice of the padding rows, and a flat's copy-out.
-        unpack, frontier = [], [u for u in wait.users if u.meta.get("mfsdp_param_id") == param_id]
-        while frontier:
-            current = frontier.pop(0)
-            (unpack if unpack or is_split_gathered(current) else gather).append(current)
-            frontier.extend(u for u in current.users if u.meta.get("mfsdp_param_id") == param_id)
-        gathered = [n for n in unpack if n.meta.get("mfsdp_unpacked") == param_id] if unpack else [gather[-1]]
-        views, frontier = [], [u for n in gathered for u in n.users]
-        while frontier:
-            current = frontier.pop()
-            if is_view(current) and len(current.all_input_nodes) == 1:
-                views.append(current)
-                frontier.extend(current.users)
-        chains.append(GatherChain(param_id, tuple(gather), tuple(unpack), tuple(gathered), tuple(views)))
+        # The slice of the padding rows, which lower_collectives tags.
+        gather.extend(u for u in wait.users if u.meta.get("mfsdp_param_id") == param_id and not is_split_gathered(u))
+        unpack, gathered = _copies_of(gather[-1])
+        chains.append(GatherChain(param_id, tuple(gather), tuple(unpack), tuple(gathered), _views_of(gathered)))
+    return chains
+
+
+def _copies_of(value: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """A gathered flat's copy-out (``split_gathered``, its per-member reads, their trims) and
+    the members it yields; ([], [value]) for a value no copy-out reads."""
+    unpack, members = [], []
+    for split in (u for u in value.users if is_split_gathered(u)):
+        unpack.append(split)
+        for read in split.users:
+            unpack.append(read)
+            trims = [u for u in read.users if is_view(u) and len(read.users) == 1]
+            unpack.extend(trims)
+            members.append(trims[0] if trims else read)
+    return (unpack, members) if unpack else ([], [value])
+
+
+def _views_of(values: list[fx.Node]) -> tuple[fx.Node, ...]:
+    """Every chain of single-input views hanging off ``values``."""
+    views, frontier = [], [u for n in values for u in n.users]
+    while frontier:
+        current = frontier.pop()
+        if is_view(current) and len(current.all_input_nodes) == 1:
+            views.append(current)
+            frontier.extend(current.users)
+    return tuple(views)
+
+
+def input_chains(gm: fx.GraphModule, plan: Plan) -> list[GatherChain]:
+    """A repeated block's body: one chain per gathered weight it takes as an input (the plan's
+    ``gathered_inputs``), with its copy-out and views."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    chains = []
+    for index in plan.gathered_inputs:
+        unpack, members = _copies_of(placeholders[index])
+        chains.append(GatherChain(-1, (), tuple(unpack), tuple(members), _views_of(members)))
     return chains
 
 
@@ -67,17 +93,27 @@ def reshard(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     ``reshard_after_forward=True``: the gather chain (a flat parameter's copy-out included) and
     its views are ``MUST_RECOMPUTE``, so the partitioned forward returns no gathered parameter
     and the backward gathers again. ``False``: the gathered parameter (a flat's members) is
-    ``MUST_SAVE``; the backward has no all-gather for it.
+    ``MUST_SAVE``; the backward has no all-gather for it. In a repeated block's body every copy
+    and view of a gathered weight input is ``MUST_RECOMPUTE``: the body saves the weight only
+    as that input.
     """
     for chain in gather_chains(gm):
         if plan.param(chain.param_id).sharding.reshard_after_forward:
             tagged = {n: CheckpointPolicy.MUST_RECOMPUTE for n in chain.gather + chain.unpack + chain.views}
         else:
             tagged = {n: CheckpointPolicy.MUST_SAVE for n in chain.gathered}
-        for node, policy in tagged.items():
-            node.meta["recompute"] = policy
-            node.meta["ac_graph_id"] = RESHARD_AC_GRAPH_ID
+        _tag(tagged)
+    for chain in input_chains(gm, plan):
+        # A body's weight is saved as the input it is (the slot its call hands back the
+        # weights to, NOTE: one op per block call), never as a copy or a view of it.
+        _tag({n: CheckpointPolicy.MUST_RECOMPUTE for n in chain.unpack + chain.views if n.op != "placeholder"})
     return finish(gm)
+
+
+def _tag(tagged: dict) -> None:
+    for node, policy in tagged.items():
+        node.meta["recompute"] = policy
+        node.meta["ac_graph_id"] = RESHARD_AC_GRAPH_ID
 
 
 def check_reshard(gm: fx.GraphModule, plan: Plan) -> None:

@@ -1,0 +1,350 @@
+"""A repeated block's call in the compiled step: one opaque op, whose body is a frame of its own.
+
+NOTE: one op per block call
+    Dynamo and AOTAutograd trace every call a whole-step graph makes, and torch's regional
+    compilation (``nested_compile_region``, ``invoke_subgraph``) still pays per call: Dynamo
+    checks each call's reuse against the body's guards in Python, AOTAutograd runs the
+    higher-order op's autograd rule per call. On the CPU proxy that was about 55 ms a layer
+    (docs/performance.md, "Compile time"), where FSDP2 + per-block compile pays nothing per
+    layer: each layer after the first finds its compiled frame in Dynamo's cache.
+
+    So, compiled by mfsdp, a region (fsdp_compile/regions.py) gathers its flat parameters in
+    the step's graph and then calls ``fsdp_compile::block_forward``: one node per layer, which
+    Dynamo and AOTAutograd do not look into, whose autograd rule is
+    ``fsdp_compile::block_backward``. The collectives stay in the step's graph, where the plan
+    buckets, schedules, reshards and checks them; the body is not in it.
+
+    The body runs as a Dynamo frame of its own, compiled by the same backend (one code object
+    per block structure and backend), exactly as FSDP2 + per-block compile runs a block: at
+    every call Dynamo checks its guards (in C++), so a layer that differs in anything the
+    body reads gets a compile of its own, and nothing is reused on trust. Its backward is
+    the frame's own autograd graph, kept from ``block_forward`` to ``block_backward``:
+
+    - What the step's graph needs of the body while tracing is only its outputs' shapes: the
+      op's fake kernel runs the block's Python once per structure and input layout on fake
+      tensors (``_outputs``), and the real call checks its outputs against them.
+    - The gathered weights go into the frame as slots (``_slot``): tensors of their own that
+      share the gathered storage. The frame's autograd graph saves the slots it needs (its
+      partitioner recomputes every view and copy-out of them: ``reshard``), so after the
+      forward each slot lets go of the storage (``slot.data``), the step frees the gathered
+      weights as planned, and ``block_backward`` points the slots at the weights the step
+      gathered again. Resharding after forward holds as in a whole-step graph.
+    - The frame's autograd graph waits for its backward in ``_PENDING``, keyed by a token
+      tensor the op returns and the step saves for backward; an entry whose token died
+      unused (a checkpointed block recomputed in backward, a forward never differentiated) is
+      dropped at a later call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from fsdp_compile.errors import CompileUsageError
+
+__all__ = ["BlockCall", "register_call", "call_record", "BLOCK_FORWARD", "BLOCK_BACKWARD"]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockCall:
+    """One layer's call of its block, as the step's graph names it (``block_forward``'s
+    ``call`` argument indexes these)."""
+
+    block: weakref.ref
+    """The block module (its parameters are already gathered: the body reads none)."""
+    body: Callable[..., Any]
+    """The body function of the block's structure: ``body(block, layout, recipe, *leaves)``."""
+    name: str
+    """The body's name, one per structure (``_region_3``)."""
+    layout: int
+    """How the call's leaves regroup into arguments (regions' call layouts)."""
+    recipe: int
+    """How the gathered weights become the block's parameters (regions' recipes)."""
+    constants: tuple[tuple, ...]
+    """Per leaf: ``()`` where a tensor goes, ``(value,)`` for a constant."""
+    train: bool
+    """Traced with grad enabled: the forward keeps its autograd graph for the backward."""
+    backend: weakref.ref
+    """The MfsdpBackend that compiles the body's frame (it outlives the step it compiled)."""
+    traced: dict = field(default_factory=dict)
+    """Filled by the fake kernel: ``differentiable`` (which tensor leaves need a gradient),
+    ``outputs`` (their metadata), ``form`` (how they regroup), and ``cost``: the FLOPs and
+    bytes of the body's forward and backward ops (see ``_RooflineCounter``)."""
+
+    def leaves(self, tensors: list[Tensor]) -> list[Any]:
+        tensors = iter(tensors)
+        return [next(tensors) if not c else c[0] for c in self.constants]
+
+
+_CALLS: list[BlockCall] = []
+
+
+def register_call(call: BlockCall) -> int:
+    """The index ``block_forward`` names ``call`` by."""
+    _CALLS.append(call)
+    return len(_CALLS) - 1
+
+
+def call_record(index: int) -> BlockCall:
+    return _CALLS[index]
+
+
+# ---- tracing: what the step's graph sees -----------------------------------------------------
+
+_OUTPUTS: dict[tuple, dict] = {}
+"""What a body returns, per structure, call and input layout (and tracing fake mode): one fake
+run of the block's Python per entry."""
+
+
+def _metadata(tensor: Tensor) -> tuple:
+    return (tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
+
+def _form(output: Any) -> tuple:
+    """How ``block_forward``'s flat tensors regroup into what the block returned: a tensor,
+    or a tuple or list of tensors and constants."""
+    if isinstance(output, Tensor):
+        return ("tensor",)
+    if type(output) in (tuple, list) and not any(isinstance(v, (tuple, list, dict)) for v in output):
+        return (type(output).__name__, tuple(() if isinstance(v, Tensor) else (v,) for v in output))
+    raise CompileUsageError(
+        f"a repeated block returned {type(output).__name__}; mfsdp compiles a block's body on "
+        "its own when it returns a tensor, or a tuple or list of tensors and constants. "
+        "Compile with options={'regional': False} to trace such blocks inline."
+    )
+
+
+class _RooflineCounter(TorchDispatchMode):
+    """What the cost model charges the body's ops, had they been nodes of the step
+    (fsdp_compile/schedule.py): FLOPs where torch counts them, else the bytes an op writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func.overloadpacket)
+        if count is not None:
+            self.flops += count(*args, **kwargs, out_val=out)
+        elif isinstance(out, Tensor):
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def _fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> dict:
+    fake_mode = torch._guards.detect_fake_mode([*weights, *tensors])
+    key = (call.name, call.layout, call.recipe, call.constants, call.train, id(fake_mode),
+           tuple(map(str, map(_metadata, weights))), tuple(map(str, map(_metadata, tensors))))
+    if key not in _OUTPUTS:
+        # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
+        with fake_mode or contextlib.nullcontext():
+            _OUTPUTS[key] = _run_on_fakes(call, weights, tensors)
+    return _OUTPUTS[key]
+
+
+def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> dict:
+    """The block's Python on fake tensors: what it returns, and what its forward and backward
+    cost (the backward only when the call trains)."""
+    versions = [t._version for t in tensors]
+    leaves = [t.detach().requires_grad_(call.train and t.is_floating_point()) for t in (*weights, *tensors)]
+    forward, backward = _RooflineCounter(), _RooflineCounter()
+    with _autograd_inside() if call.train else torch.no_grad(), forward:
+        output = call.body(call.block(), call.layout, call.recipe, *leaves[: len(weights)], *call.leaves(leaves[len(weights) :]))
+    if any(t._version != v for t, v in zip(leaves[len(weights) :], versions)):
+        raise CompileUsageError(
+            f"a repeated block ({type(call.block()).__name__}) writes in place to a tensor it "
+            "was called with; its body cannot be compiled on its own. Compile with "
+            "options={'regional': False}, or make the write out of place."
+        )
+    flat = [output] if isinstance(output, Tensor) else [v for v in output if isinstance(v, Tensor)]
+    differentiable = [t for t in flat if t.requires_grad]
+    if differentiable:
+        with _autograd_inside(), backward:
+            torch.autograd.grad(
+                differentiable, [leaf for leaf in leaves if leaf.requires_grad],
+                [torch.ones_like(t) for t in differentiable], allow_unused=True,
+            )
+    return {
+        "form": _form(output),
+        "outputs": [_metadata(t) for t in flat],
+        "cost": {"forward": (forward.flops, forward.bytes), "backward": (backward.flops, backward.bytes)},
+    }
+
+
+@torch.library.custom_op("fsdp_compile::block_forward", mutates_args=())
+def block_forward(weights: list[Tensor], tensors: list[Tensor], call: int) -> list[Tensor]:
+    """The block's outputs, then a token its backward finds the body's autograd graph by."""
+    return _run_forward(_CALLS[call], weights, tensors)
+
+
+@block_forward.register_fake
+def _(weights, tensors, call) -> list[Tensor]:
+    record = _CALLS[call]
+    record.traced.update(_fake_run(record, weights, tensors))
+    # Dynamo's call comes first and sees the user's tensors; AOTAutograd's come from below
+    # autograd, where nothing requires a gradient.
+    record.traced.setdefault("differentiable", [t.requires_grad for t in tensors])
+    outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in record.traced["outputs"]]
+    return [*outputs, _token_like([*weights, *tensors])]
+
+
+@torch.library.custom_op("fsdp_compile::block_backward", mutates_args=())
+def block_backward(
+    token: Tensor, weights: list[Tensor], tensors: list[Tensor], grads: list[Tensor | None], call: int
+) -> list[Tensor]:
+    """Gradients of the weights, then of the tensors (zeros where none flows)."""
+    return _run_backward(_CALLS[call], token, weights, tensors, grads)
+
+
+@block_backward.register_fake
+def _(token, weights, tensors, grads, call) -> list[Tensor]:
+    return [torch.empty_like(t) for t in (*weights, *tensors)]
+
+
+def _save(ctx, inputs, output) -> None:
+    weights, tensors, ctx.call = inputs
+    ctx.counts = (len(weights), len(tensors))
+    ctx.differentiable = [t.requires_grad for t in tensors]
+    ctx.save_for_backward(output[-1], *weights, *tensors)
+
+
+def _backward(ctx, grads: list[Tensor | None]):
+    token, *saved = ctx.saved_tensors
+    weights, tensors = saved[: ctx.counts[0]], saved[ctx.counts[0] :]
+    computed = block_backward(token, weights, tensors, list(grads[:-1]), ctx.call)
+    by_tensor = computed[len(weights) :]
+    return computed[: len(weights)], [g if d else None for g, d in zip(by_tensor, ctx.differentiable)], None
+
+
+block_forward.register_autograd(_backward, setup_context=_save)
+
+BLOCK_FORWARD = torch.ops.fsdp_compile.block_forward.default
+BLOCK_BACKWARD = torch.ops.fsdp_compile.block_backward.default
+
+
+def _token_like(tensors: list[Tensor]) -> Tensor:
+    return torch.empty(1, dtype=torch.uint8, device=tensors[0].device)
+
+
+# ---- running: the body as a frame of its own ----------------------------------------------
+
+_PENDING: dict[int, tuple] = {}
+"""A forward's autograd graph, by its token's address, until its backward takes it."""
+_SWEEP_AT = [64]
+
+
+def _keep(token: Tensor, entry: tuple) -> None:
+    if len(_PENDING) >= _SWEEP_AT[0]:
+        for address in [a for a, (ref, *_) in _PENDING.items() if ref.expired()]:
+            del _PENDING[address]
+        _SWEEP_AT[0] = max(64, 2 * len(_PENDING))
+    _PENDING[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), *entry)
+
+
+@contextlib.contextmanager
+def _autograd_inside() -> Iterator[None]:
+    """Autograd recorded inside a custom op's kernel: the dispatcher runs kernels below the
+    autograd keys, which it excludes for the call; the body's frame needs them back."""
+    keys = [
+        k for k in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+        if torch._C._dispatch_tls_is_dispatch_key_excluded(k)
+    ]
+    for key in keys:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        for key in keys:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, True)
+
+
+def _slot(weight: Tensor) -> Tensor:
+    """A leaf of its own over ``weight``'s storage (see NOTE: one op per block call)."""
+    slot = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    slot.data = weight
+    slot._mfsdp_gathered = True  # the body's plan: a gathered weight (fsdp_compile/planner.py)
+    return slot.requires_grad_(weight.is_floating_point())
+
+
+def _release(slots: list[Tensor]) -> None:
+    for slot in slots:
+        slot.data = torch.empty(0, dtype=slot.dtype, device=slot.device)
+
+
+def _flat_outputs(call: BlockCall, output: Any) -> list[Tensor]:
+    """The body's tensor outputs as the step's graph was traced to take them: same shapes (an
+    error otherwise) and, copied where the compiled body chose others, same strides."""
+    flat = [output] if isinstance(output, Tensor) else [v for v in output if isinstance(v, Tensor)]
+    expected = call.traced["outputs"]
+    got = [_metadata(t) for t in flat]
+    if len(got) != len(expected) or any(
+        g[2:] != e[2:] or len(g[0]) != len(e[0]) or not all(_agrees(a, b) for a, b in zip(e[0], g[0]))
+        for g, e in zip(got, expected)
+    ):
+        raise RuntimeError(
+            f"a {type(call.block()).__name__} layer returned {got} where its compiled step "
+            f"expects {expected}: this layer differs from the one its body was traced for in "
+            "something its outputs depend on. Compile with options={'regional': False}."
+        )
+    return [_strided_as(t, e[1]) for t, e in zip(flat, expected)]
+
+
+def _agrees(traced: Any, real: int) -> bool:
+    return isinstance(traced, torch.SymInt) or traced == real
+
+
+def _strided_as(tensor: Tensor, stride: tuple) -> Tensor:
+    if any(isinstance(s, torch.SymInt) for s in stride) or tensor.stride() == stride or tensor.numel() <= 1:
+        return tensor
+    return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
+def _run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
+    frame = call.backend().frame(call.name, call.body)
+    block = call.block()
+    token = _token_like([*weights, *tensors])
+    if not call.train:
+        with torch.no_grad():
+            output = frame(block, call.layout, call.recipe, *weights, *call.leaves(tensors))
+        return [*(t.detach() for t in _flat_outputs(call, output)), token]
+    slots = [_slot(w) for w in weights]
+    inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
+    with _autograd_inside():
+        output = frame(block, call.layout, call.recipe, *slots, *call.leaves(inputs))
+        outputs = _flat_outputs(call, output)
+    _release(slots)
+    _keep(token, (outputs, slots, inputs))
+    return [*(t.detach() for t in outputs), token]
+
+
+def _run_backward(
+    call: BlockCall, token: Tensor, weights: list[Tensor], tensors: list[Tensor], grads: list[Tensor | None]
+) -> list[Tensor]:
+    _, outputs, slots, inputs = _PENDING.pop(token.data_ptr())
+    for slot, weight in zip(slots, weights):
+        slot.data = weight
+    leaves = [*slots, *inputs]
+    differentiable = [leaf for leaf in leaves if leaf.requires_grad]
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    computed = [None] * len(differentiable)
+    if pairs:
+        with _autograd_inside():
+            computed = torch.autograd.grad(
+                [o for o, _ in pairs], differentiable, [g for _, g in pairs], allow_unused=True
+            )
+    _release(slots)
+    by_leaf = {id(leaf): grad for leaf, grad in zip(differentiable, computed)}
+    found = [by_leaf.get(id(leaf)) for leaf in leaves]
+    return [g if g is not None else torch.zeros_like(like) for g, like in zip(found, (*weights, *tensors))]
