@@ -28,7 +28,8 @@ alternately (A B A B) and the table gives medians:
 Columns: first step (the seconds from the call to the end of backward, compilation
 included), Dynamo (frame conversion, backend excluded), joint (AOTAutograd's joint trace and
 metadata), passes (fsdp_compile's passes, every stage), partitioner, compiler (the eager
-runner, nothing to speak of, or Inductor: mfsdp's own compiler calls). mfsdp's backend must
+runner, nothing to speak of, or Inductor: mfsdp's own compiler calls); each counts the step's
+graphs and the repeated blocks' bodies (frames of their own) together. mfsdp's backend must
 stay linear in graph size: the per-layer growth of each column shows where it is not.
 """
 
@@ -125,7 +126,8 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
     total = time.perf_counter() - start
     metrics = {k: sum(v) for k, v in compilation_time_metrics.items()}
     ours = {"passes": 0.0, "partitioner": 0.0, "compiler": 0.0}
-    for graph in backend.graphs if backend else []:
+    bodies = [g for graphs in backend.bodies.values() for g in graphs] if backend else []
+    for graph in (backend.graphs if backend else []) + bodies:  # the step's, then the blocks' bodies
         for key in ours:
             ours[key] += graph.seconds[key]
     dist.destroy_process_group()
