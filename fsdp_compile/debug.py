@@ -6,13 +6,13 @@ Layout (also written as README.md into every graph folder)::
     PATH/rank<R>/
       frames/<function>-<line>.py     depyf: the frame's user source, decompiled, and the
                                       transformed bytecode that calls the compiled graphs
-      graph_<id>/                     one per graph Dynamo compiled (several with graph breaks)
+      graph_<id>/                     one per graph Dynamo compiled (several with graph breaks,
+                                      and one per repeated block's body: a frame of its own,
+                                      compiled once for every layer; fsdp_compile/block_call.py)
         README.md
         passes/00_dynamo.py           Dynamo's graph; each node under a "# File: ..." comment
                                       naming the user source line it came from
         passes/NN_<pass>.py           the graph after each pass, stage inputs in between
-        passes/NN_body<i>_forward.py  each repeated block's body, partitioned once for every
-        passes/NN_body<i>_backward.py layer (fsdp_compile/regions.py)
         passes/NN_forward.py          the partitioned forward graph as compiled
         passes/NN_backward.py         the partitioned backward graph as compiled
         plan.json                     the Plan: every parameter, owner, group, dtypes, bytes
