@@ -84,13 +84,15 @@ def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
 @pytest.mark.structure
 def test_regional_and_whole_graph_compile_the_same_step():
     """options={"regional": False} inlines the bodies: one graph of every layer, the same
-    collectives."""
+    collectives, and no gathered block weight kept for backward."""
     _, regional, _ = _compiled_step()
     torch._dynamo.reset()
     _, whole, backend = _compiled_step(regional=False)
     assert _calls(whole.dynamo) == [] and not backend.bodies
     for role in ("forward", "backward"):
         assert count_collectives(getattr(regional, role).graph) == count_collectives(getattr(whole, role).graph)
+    kept = {p.param_id for p in whole.plan.params if not p.sharding.reshard_after_forward}
+    assert set(saved_gathered_params(whole.forward)) <= kept
 
 
 @pytest.mark.multirank
