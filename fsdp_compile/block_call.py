@@ -77,8 +77,9 @@ class BlockCall:
     """The MfsdpBackend that compiles the body's frame (it outlives the step it compiled)."""
     traced: dict = field(default_factory=dict)
     """Filled by the fake kernel: ``differentiable`` (which tensor leaves need a gradient),
-    ``outputs`` (their metadata), ``form`` (how they regroup), and ``cost``: the FLOPs and
-    bytes of the body's forward and backward ops (see ``_RooflineCounter``)."""
+    ``outputs`` (their metadata), ``form`` (how they regroup), ``cost``: the FLOPs and
+    bytes of the body's forward and backward ops (see ``_RooflineCounter``), and
+    ``saved_bytes``: what its autograd graph keeps for the backward (see ``_saved_bytes``)."""
 
     def leaves(self, tensors: list[Tensor]) -> list[Any]:
         tensors = iter(tensors)
@@ -142,6 +143,32 @@ class _RooflineCounter(TorchDispatchMode):
         return out
 
 
+def _saved_bytes(outputs: list[Tensor], besides: list[Tensor]) -> Any:
+    """What the body's autograd graph keeps from its forward to its backward that the step's
+    graph does not see: the tensors its nodes saved (read back from the graph, which leaves
+    the cost counters' ops as they are), less the storages of ``besides``, the call's inputs
+    (the step saves its tensors and re-gathers its weights) and outputs (the step's own).
+    The simulator's memory count charges them from the block's forward to its backward."""
+    skip = {StorageWeakRef(t.untyped_storage()) for t in besides}
+    saved: dict[StorageWeakRef, Any] = {}
+    stack, seen = [t.grad_fn for t in outputs], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_") or name == "saved_tensors":
+                value = getattr(node, name)
+                for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(tensor, Tensor):
+                        storage = tensor.untyped_storage()
+                        if StorageWeakRef(storage) not in skip:
+                            saved[StorageWeakRef(storage)] = storage.nbytes()
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return sum(saved.values())
+
+
 def _fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> dict:
     fake_mode = torch._guards.detect_fake_mode([*weights, *tensors])
     key = (call.name, call.layout, call.recipe, call.constants, call.train, id(fake_mode),
@@ -169,6 +196,7 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
         )
     flat = [output] if isinstance(output, Tensor) else [v for v in output if isinstance(v, Tensor)]
     differentiable = [t for t in flat if t.requires_grad]
+    saved_bytes = _saved_bytes(differentiable, besides=[*leaves, *flat])
     if differentiable:
         with _autograd_inside(), backward:
             torch.autograd.grad(
@@ -179,6 +207,7 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
         "form": _form(output),
         "outputs": [_metadata(t) for t in flat],
         "cost": {"forward": (forward.flops, forward.bytes), "backward": (backward.flops, backward.bytes)},
+        "saved_bytes": saved_bytes,
     }
 
 

@@ -19,8 +19,11 @@ schedules of the same bucketed graphs:
 Peak memory is a liveness count over the node order (``peak_memory``): inputs (shards,
 activations saved for backward) stay resident, every other tensor lives from the node that
 allocates it to its last reader, views and waits alias their input, and a collective's input
-stays alive until its wait (the communication library holds it). It covers what the graphs
-allocate, not the optimizer step or allocator fragmentation.
+stays alive until its wait (the communication library holds it). A repeated block's call is
+one node whose body keeps activations of its own for the backward: they count from the
+block's forward call to its backward call (what autograd saves when the block runs on fake
+tensors, block_call.py; the body's temporaries inside one call are not counted). It covers
+what the graphs allocate, not the optimizer step or allocator fragmentation.
 
 ``benchmarks/simulated_table.py`` runs it on Llama-style 1B and 8B shapes traced by ``trace_step``
 and prints docs/performance.md's table.
@@ -37,6 +40,7 @@ import torch
 from torch import fx
 
 from fsdp_compile.backend import CompiledGraph
+from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD, call_record
 from fsdp_compile.passes.schedule_collectives import collective_groups, ranked_gathers, schedule_collectives
 from fsdp_compile.patterns import is_collective, is_view, is_wait
 from fsdp_compile.plan import Plan
@@ -109,13 +113,27 @@ def peak_memory(gm: fx.GraphModule) -> int:
     for root, when in last.items():
         if root.op != "placeholder":
             frees[when] = frees.get(when, 0) + _nbytes(root)
+    # What a block's body keeps for its backward, which no node of the step holds: taken at
+    # its forward call (as a saved output, kept to the graph's end), held by the backward
+    # graph from its start and let go after its backward call.
+    for i, node in enumerate(nodes):
+        if node.target == BLOCK_BACKWARD:
+            resident += _saved_by_body(node)
+            frees[i] = frees.get(i, 0) + _saved_by_body(node)
     alive = peak = resident
     for i, node in enumerate(nodes):
         if node.op == "call_function" and _storage(node) is node:
             alive += _nbytes(node)
+        if node.target == BLOCK_FORWARD:
+            alive += _saved_by_body(node)
         peak = max(peak, alive)
         alive -= frees.get(i, 0)
     return peak
+
+
+def _saved_by_body(node: fx.Node) -> int:
+    """Bytes a block call's body saves for its backward (0 for a graph traced elsewhere)."""
+    return int(call_record(node.args[-1]).traced.get("saved_bytes", 0))
 
 
 def _rescheduled(gm: fx.GraphModule, plan: Plan, prefetch: int) -> fx.GraphModule:
