@@ -110,6 +110,11 @@ def _metadata(tensor: Tensor) -> tuple:
     return (tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
 
 
+def _tensors_of(output: Any) -> list[Tensor]:
+    """A block's tensor outputs, in order: ``block_forward``'s results before the token."""
+    return [output] if isinstance(output, Tensor) else [v for v in output if isinstance(v, Tensor)]
+
+
 def _form(output: Any) -> tuple:
     """How ``block_forward``'s flat tensors regroup into what the block returned: a tensor,
     or a tuple or list of tensors and constants."""
@@ -162,9 +167,9 @@ def _saved_bytes(outputs: list[Tensor], besides: list[Tensor]) -> Any:
                 value = getattr(node, name)
                 for tensor in value if isinstance(value, (tuple, list)) else (value,):
                     if isinstance(tensor, Tensor):
-                        storage = tensor.untyped_storage()
-                        if StorageWeakRef(storage) not in skip:
-                            saved[StorageWeakRef(storage)] = storage.nbytes()
+                        ref = StorageWeakRef(tensor.untyped_storage())
+                        if ref not in skip:
+                            saved[ref] = tensor.untyped_storage().nbytes()
         stack.extend(next_node for next_node, _ in node.next_functions)
     return sum(saved.values())
 
@@ -194,7 +199,7 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
             "was called with; its body cannot be compiled on its own. Compile with "
             "options={'regional': False}, or make the write out of place."
         )
-    flat = [output] if isinstance(output, Tensor) else [v for v in output if isinstance(v, Tensor)]
+    flat = _tensors_of(output)
     differentiable = [t for t in flat if t.requires_grad]
     saved_bytes = _saved_bytes(differentiable, besides=[*leaves, *flat])
     if differentiable:
@@ -315,7 +320,7 @@ def _release(slots: list[Tensor]) -> None:
 def _flat_outputs(call: BlockCall, output: Any) -> list[Tensor]:
     """The body's tensor outputs as the step's graph was traced to take them: same shapes (an
     error otherwise) and, copied where the compiled body chose others, same strides."""
-    flat = [output] if isinstance(output, Tensor) else [v for v in output if isinstance(v, Tensor)]
+    flat = _tensors_of(output)
     expected = call.traced["outputs"]
     got = [_metadata(t) for t in flat]
     if len(got) != len(expected) or any(

@@ -142,9 +142,15 @@ def _recipe_index(block: nn.Module) -> int:
         layout.slots,
         layout.owners,
     )
-    if recipe not in _RECIPES:
-        _RECIPES.append(recipe)
-    return _RECIPES.index(recipe)
+    return _index_in(_RECIPES, recipe)
+
+
+def _index_in(table: list, value: object) -> int:
+    """``value``'s index in the append-only ``table``, appended if new: the small int Dynamo
+    sees as a constant in place of the value."""
+    if value not in table:
+        table.append(value)
+    return table.index(value)
 
 
 @torch._dynamo.assume_constant_result
@@ -215,10 +221,7 @@ _CALL_LAYOUTS: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
 @torch._dynamo.assume_constant_result
 def _call_layout(n_args: int, names: tuple[str, ...], widths: tuple[int, ...]) -> int:
     """The index of this call's layout in ``_CALL_LAYOUTS`` (run, not traced, by Dynamo)."""
-    key = (n_args, names, widths)
-    if key not in _CALL_LAYOUTS:
-        _CALL_LAYOUTS.append(key)
-    return _CALL_LAYOUTS.index(key)
+    return _index_in(_CALL_LAYOUTS, (n_args, names, widths))
 
 
 @torch._dynamo.assume_constant_result

@@ -118,8 +118,9 @@ def peak_memory(gm: fx.GraphModule) -> int:
     # graph from its start and let go after its backward call.
     for i, node in enumerate(nodes):
         if node.target == BLOCK_BACKWARD:
-            resident += _saved_by_body(node)
-            frees[i] = frees.get(i, 0) + _saved_by_body(node)
+            kept = _saved_by_body(node)
+            resident += kept
+            frees[i] = frees.get(i, 0) + kept
     alive = peak = resident
     for i, node in enumerate(nodes):
         if node.op == "call_function" and _storage(node) is node:
