@@ -26,11 +26,14 @@ NOTE: flat parameters
     their own shape and placements, each holding a view of its slot (as FSDP2's parameters hold
     a view of their padded storage). Optimizers, ``state_dict``, DCP and ``clip_grad_norm_`` see
     them as before, and an in-place update (every optimizer's) writes the flat. The flat itself
-    is no module parameter: nothing but the compiled step reads it.
+    is no module parameter: nothing but the compiled step reads it. So it is a plain tensor,
+    this rank's buffer, not a DTensor: a DTensor input costs the step's trace per layer what
+    its subclass brings (Dynamo's guards on its spec and mesh, AOTAutograd's unwrapping),
+    and its sharding is in its ``ShardInfo`` anyway (docs/performance.md, "Compile time").
 
-    Gradients. Autograd accumulates the flat's ``.grad``; a post-accumulate-grad hook then hands
-    each member its rows as a DTensor view (added to a ``.grad`` the member already has) and
-    clears the flat's, so ``.grad`` behaves as autograd's own: ``zero_grad``, accumulation over
+    Gradients. Autograd accumulates the flat's ``.grad`` (a plain tensor); a
+    post-accumulate-grad hook then hands each member its rows as a DTensor view (added to a
+    ``.grad`` the member already has) and clears the flat's, so ``.grad`` behaves as autograd's own: ``zero_grad``, accumulation over
     several backwards, a member also read outside its block.
 
     What would break the link is caught: ``nn.Module._apply`` (``to_empty``, ``.to``) would
@@ -157,11 +160,6 @@ def _layout_of(members: list[nn.Parameter]) -> FlatLayout:
     return FlatLayout(shapes=tuple(tuple(p.shape) for p in members), world=world)
 
 
-def _shard_rank(param: DTensor) -> int:
-    mesh = param.device_mesh
-    return mesh.get_local_rank(mesh.ndim - 1) if isinstance(param.placements[-1], Shard) else 0
-
-
 def _link(flat_local: torch.Tensor, members: list[nn.Parameter], layout: FlatLayout, copy: bool) -> tuple[FlatMember, ...]:
     """Make each member hold a view of its slot of ``flat_local`` (with ``copy``, after copying
     its rows there); returns the members' places."""
@@ -195,13 +193,11 @@ def _hold(param: nn.Parameter, view: torch.Tensor) -> None:
 
 
 def _new_flat(local: torch.Tensor, members: list[nn.Parameter], info: ShardInfo, layout: FlatLayout, copy: bool) -> nn.Parameter:
-    """The flat parameter over ``local`` (this rank's buffer), its members linked to it."""
+    """The flat parameter over ``local`` (this rank's buffer; a plain tensor, see NOTE: flat
+    parameters), its members linked to it."""
     first = members[0]
     linked = _link(local, members, layout, copy)
-    dtensor = DTensor.from_local(
-        local, first.device_mesh, first.placements, run_check=False, shape=info.dtensor_shape, stride=(1,)
-    )
-    flat = nn.Parameter(dtensor, requires_grad=first.requires_grad)
+    flat = nn.Parameter(local, requires_grad=first.requires_grad)
     flat._mfsdp = info
     flat._mfsdp_layout = layout
     flat._mfsdp_members = linked
@@ -250,7 +246,7 @@ def converted_flat(flat: nn.Parameter, members: list[nn.Parameter], fn) -> nn.Pa
         if param.grad is not None:
             param.grad = fn(param.grad)
     converted = fn(flat)
-    return _new_flat(converted._local_tensor, members, flat._mfsdp, flat._mfsdp_layout, copy=False)
+    return _new_flat(converted.data, members, flat._mfsdp, flat._mfsdp_layout, copy=False)
 
 
 def _hand_out_grads(flat: nn.Parameter) -> None:
@@ -258,7 +254,7 @@ def _hand_out_grads(flat: nn.Parameter) -> None:
     parameters)."""
     if flat.grad is None:  # a micro-batch without gradient sync: the accumulator took it
         return
-    grad = flat.grad._local_tensor
+    grad = flat.grad
     with torch.no_grad():
         for member in flat._mfsdp_members:
             param = member.param
@@ -274,7 +270,7 @@ def _hand_out_grads(flat: nn.Parameter) -> None:
 def check_linked(flat: nn.Parameter) -> None:
     """Raise a ``UsageError`` unless every member of ``flat`` still holds a view of its slot
     (the compiling kind: the region checks while Dynamo traces its wrapper)."""
-    storage = flat._local_tensor.untyped_storage().data_ptr()
+    storage = flat.untyped_storage().data_ptr()
     for name, member in zip(flat._mfsdp.members, flat._mfsdp_members):
         local = member.param._local_tensor
         if local.is_meta or local.numel() == 0:

@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
 
 from fsdp_compile.api import repeated_block, shard_info
 from fsdp_compile.errors import CompileUsageError
@@ -71,7 +72,7 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
                     "fsdp_compile.fully_shard(model) before torch.compile(model, backend='mfsdp')."
                 )
             continue
-        local = value.to_local()
+        local = value.to_local() if isinstance(value, DTensor) else value
         params.append(
             ParamPlan(
                 sharding=info,

@@ -90,7 +90,7 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     # field from each ShardInfo, they were a guard each (28% of Dynamo's time on an HF Llama,
     # A B A B).
     flats, alone, recipe = _gather_recipe(self._mfsdp_region_key)
-    gathered = [unshard_marker(f.to_local(), c) for f, c in zip(self._mfsdp_region_flats.values(), flats)]
+    gathered = [unshard_marker(f, c) for f, c in zip(self._mfsdp_region_flats.values(), flats)]
     gathered.extend(unshard_marker(p.to_local(), c) for p, c in zip(self._mfsdp_region_params.values(), alone))
     # The body takes flat leaves only (the block, constants, tensors, None...), the same for
     # every layer: a frame of its own guards on each argument. Tuples are opened one level

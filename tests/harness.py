@@ -9,6 +9,7 @@ hanging.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import tempfile
@@ -429,10 +430,11 @@ def assert_parity(results, tolerance: float = TOLERANCE):
 def flat_padding_bytes(model) -> int:
     """Bytes of the padding rows in the flat parameters of ``model``'s blocks, all ranks'
     slots together (NOTE: flat parameters, in fsdp_compile/flat_params.py)."""
-    from fsdp_compile import gathered_params
+    from fsdp_compile import gathered_params, shard_info
 
+    # A flat is this rank's buffer; its ShardInfo has the size of every rank's together.
     return sum(
-        (f.numel() - sum(m.param.numel() for m in f._mfsdp_members)) * f.element_size()
+        (math.prod(shard_info(f).global_shape) - sum(m.param.numel() for m in f._mfsdp_members)) * f.element_size()
         for f in gathered_params(model)
         if hasattr(f, "_mfsdp_members")
     )

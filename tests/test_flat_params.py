@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_compile import MfsdpBackend, fully_shard, gathered_params
 from fsdp_compile.patterns import count_collectives, is_all_gather, is_unshard, is_view
@@ -39,14 +40,14 @@ def test_a_block_s_parameters_are_views_of_one_flat_buffer():
         for layer in model.layers:
             flat = _flat(layer)
             assert all(p._mfsdp_flat is flat for p in layer.parameters())
-            assert all(_storage(p.to_local()) == _storage(flat.to_local()) for p in layer.parameters() if p.to_local().numel())
+            assert all(_storage(p.to_local()) == _storage(flat) for p in layer.parameters() if p.to_local().numel())
             assert not any(p is flat for p in model.parameters())
         member = dict(model.layers[1].named_parameters())["mlp.down.weight"]
         with torch.no_grad():
             member.to_local().add_(1.0)
         offset = next(m.offset for m in _flat(model.layers[1])._mfsdp_members if m.param is member)
         local = member.to_local()
-        assert torch.equal(_flat(model.layers[1]).to_local()[offset : offset + local.numel()], local.flatten())
+        assert torch.equal(_flat(model.layers[1])[offset : offset + local.numel()], local.flatten())
 
 
 @pytest.mark.structure
@@ -57,6 +58,13 @@ def test_one_gather_per_block_reads_the_flat_in_place():
         model = fully_shard(build_model(CFG))
         graph = compile_one_step(model, CFG)
     assert sum(is_unshard(n) for n in graph.dynamo.graph.nodes) == len(gathered_params(model)) == CFG.n_layers + 3
+    # A flat is a plain tensor input (NOTE: flat parameters): of the DTensors, only the root's
+    # three parameters are the step's inputs.
+    flats = [_flat(layer) for layer in model.layers]
+    assert not any(isinstance(f, DTensor) for f in flats)
+    inputs = graph._example_inputs
+    assert sum(any(v is f for f in flats) for v in inputs) == CFG.n_layers
+    assert sum(isinstance(v, DTensor) for v in inputs) == 3
     packs = [n for n in graph.forward.graph.nodes if n.target is torch.ops.bucketing._pre_bucket_all_gather.default]
     layer_buckets = [b for b in graph.plan.buckets if b.name.startswith("layers.")]
     assert len(layer_buckets) == CFG.n_layers and len(packs) == 1  # the root's bucket only
@@ -83,7 +91,7 @@ def test_materialising_a_meta_model_links_the_parameters_to_the_new_flat():
                 for p in layer.parameters():
                     p.fill_(0.5)
             first = flat._mfsdp_members[0]
-            assert torch.all(flat.to_local()[: first.numel] == 0.5)
+            assert torch.all(flat[: first.numel] == 0.5)
 
 
 @pytest.mark.structure
