@@ -176,7 +176,10 @@ def _saved_bytes(outputs: list[Tensor], besides: list[Tensor]) -> Any:
 
 def _fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> dict:
     fake_mode = torch._guards.detect_fake_mode([*weights, *tensors])
-    key = (call.name, call.layout, call.recipe, call.constants, call.train, id(fake_mode),
+    # Static shapes give the same answer in every fake mode (Dynamo's, then AOTAutograd's):
+    # one run serves both. Symbolic ones belong to their mode's shape environment.
+    symbolic = any(isinstance(s, torch.SymInt) for t in (*weights, *tensors) for s in (*t.shape, *t.stride()))
+    key = (call.name, call.layout, call.recipe, call.constants, call.train, id(fake_mode) if symbolic else None,
            tuple(map(str, map(_metadata, weights))), tuple(map(str, map(_metadata, tensors))))
     if key not in _OUTPUTS:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
