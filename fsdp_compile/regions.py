@@ -91,24 +91,28 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     # A B A B).
     flats, alone, recipe = _gather_recipe(self._mfsdp_region_key)
     gathered = [unshard_marker(f, c) for f, c in zip(self._mfsdp_region_flats.values(), flats)]
-    gathered.extend(unshard_marker(p.to_local(), c) for p, c in zip(self._mfsdp_region_params.values(), alone))
+    if alone:
+        gathered += [unshard_marker(p.to_local(), c) for p, c in zip(self._mfsdp_region_params.values(), alone)]
     # The body takes flat leaves only (the block, constants, tensors, None...), the same for
     # every layer: a frame of its own guards on each argument. Tuples are opened one level
-    # (HF's position_embeddings); one constant says how to regroup.
-    leaves, widths = [], [len(gathered)]
+    # (HF's position_embeddings); one constant says how to regroup. One loop, no generator:
+    # Dynamo steps through this at every layer.
+    leaves, tensors, constants, widths = [], [], [], [len(gathered)]
     for value in (*args, *kwargs.values()):
-        if type(value) is tuple:
-            widths.append(len(value))
-            leaves.extend(value)
-        else:
-            widths.append(_NOT_OPENED)
-            leaves.append(value)
+        opened = type(value) is tuple
+        widths.append(len(value) if opened else _NOT_OPENED)
+        for leaf in value if opened else (value,):
+            leaves.append(leaf)
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(leaf)
+                constants.append(())
+            else:
+                constants.append((leaf,))
     layout = _call_layout(len(args), tuple(kwargs), tuple(widths))
-    constants = tuple(() if isinstance(v, torch.Tensor) else (v,) for v in leaves)
-    call = _block_call(self._mfsdp_region_key, layout, recipe, constants, torch.is_grad_enabled())
+    call = _block_call(self._mfsdp_region_key, layout, recipe, tuple(constants), torch.is_grad_enabled())
     if call < 0:  # run eagerly, or traced inline
         return _region(self, layout, recipe, *gathered, *leaves)
-    outputs = BLOCK_FORWARD(gathered, [v for v in leaves if isinstance(v, torch.Tensor)], call)
+    outputs = BLOCK_FORWARD(gathered, tensors, call)
     return _regroup(_output_form(call), outputs)
 
 
