@@ -321,8 +321,18 @@ def _release(slots: list[Tensor]) -> None:
 
 
 def _flat_outputs(call: BlockCall, output: Any) -> list[Tensor]:
-    """The body's tensor outputs as the step's graph was traced to take them: same shapes (an
-    error otherwise) and, copied where the compiled body chose others, same strides."""
+    """The body's tensor outputs as the step's graph was traced to take them: same shapes and
+    same constants beside them (an error otherwise) and, copied where the compiled body chose
+    others, same strides."""
+    if _form(output) != call.traced["form"]:
+        # The step's graph holds the constants the block returned while it was traced, and
+        # its guards do not see what they came from (the body's own frame does).
+        raise RuntimeError(
+            f"a {type(call.block()).__name__} layer returned {_form(output)[1:]} beside its "
+            f"tensors where its compiled step was traced with {call.traced['form'][1:]}: the "
+            "step keeps the constants a block returns. Return such a value as a tensor, or "
+            "compile with options={'regional': False} (then Dynamo guards on it)."
+        )
     flat = _tensors_of(output)
     expected = call.traced["outputs"]
     got = [_metadata(t) for t in flat]

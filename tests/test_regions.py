@@ -173,3 +173,50 @@ def test_a_layer_that_differs_gets_its_own_body(how):
         assert list(result["calls"].values()) == [CFG.n_layers] and result["compiles"] == 1, result
     else:  # layer 2: a body of its own (another structure), or the same body compiled again
         assert result["compiles"] == 2, result
+
+
+class _ScaledBlock(nn.Module):
+    """Returns its scale beside its output: a constant in the step's graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = 2.0
+
+    def forward(self, h):
+        return torch.relu(self.lin(h)), self.scale
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(2))
+
+    def forward(self, h):
+        for block in self.blocks:
+            h, scale = block(h)
+            h = h * scale
+        return h.sum()
+
+
+@pytest.mark.structure
+def test_a_constant_a_block_returns_that_changes_is_refused_not_kept():
+    """The step's graph keeps what a block returned beside its tensors when it was traced;
+    changed later, the body's frame recompiles but the step's would still multiply by the old
+    scale: an error instead (the whole graph, which guards on it, gets it right)."""
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    reference = _Scaled()
+    for block in reference.blocks:
+        block.scale = 3.0
+    with fake_process_group(1):  # world 1: the gathers copy this rank's whole shard
+        torch.manual_seed(0)
+        model = fully_shard(_Scaled())
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        step(x)
+        for block in model.blocks:
+            block.scale = 3.0
+        with pytest.raises(RuntimeError, match=r"returned \(\(\(\), \(3.0,\)\),\).*regional"):
+            step(x)
+        whole = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=False))
+        assert torch.allclose(whole(x), reference(x))
