@@ -102,8 +102,9 @@ def call_record(index: int) -> BlockCall:
 # ---- tracing: what the step's graph sees -----------------------------------------------------
 
 _OUTPUTS: dict[tuple, dict] = {}
-"""What a body returns, per structure, call and input layout (and tracing fake mode): one fake
-run of the block's Python per entry."""
+"""What a body returns, per structure, call and input layout, outside a compile (the
+simulator's step on meta tensors): one run of the block's Python per entry. A compile keeps
+its own (``_outputs_of_this_compile``)."""
 
 
 def _metadata(tensor: Tensor) -> tuple:
@@ -181,11 +182,24 @@ def _fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> 
     symbolic = any(isinstance(s, torch.SymInt) for t in (*weights, *tensors) for s in (*t.shape, *t.stride()))
     key = (call.name, call.layout, call.recipe, call.constants, call.train, id(fake_mode) if symbolic else None,
            tuple(map(str, map(_metadata, weights))), tuple(map(str, map(_metadata, tensors))))
-    if key not in _OUTPUTS:
+    outputs = _outputs_of_this_compile()
+    if key not in outputs:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
         with fake_mode or contextlib.nullcontext():
-            _OUTPUTS[key] = _run_on_fakes(call, weights, tensors)
-    return _OUTPUTS[key]
+            outputs[key] = _run_on_fakes(call, weights, tensors)
+    return outputs[key]
+
+
+def _outputs_of_this_compile() -> dict[tuple, dict]:
+    """The fake runs of the compile under way, kept on its tracing context (Dynamo's, which
+    AOTAutograd's trace shares): a recompile runs every block again, so a block changed
+    since (an attribute its outputs or their constants depend on) is never read stale."""
+    context = torch._guards.TracingContext.try_get()
+    if context is None:
+        return _OUTPUTS
+    if not hasattr(context, "_mfsdp_block_outputs"):
+        context._mfsdp_block_outputs = {}
+    return context._mfsdp_block_outputs
 
 
 def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> dict:
