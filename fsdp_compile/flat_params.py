@@ -33,8 +33,9 @@ NOTE: flat parameters
 
     Gradients. Autograd accumulates the flat's ``.grad`` (a plain tensor); a
     post-accumulate-grad hook then hands each member its rows as a DTensor view (added to a
-    ``.grad`` the member already has) and clears the flat's, so ``.grad`` behaves as autograd's own: ``zero_grad``, accumulation over
-    several backwards, a member also read outside its block.
+    ``.grad`` the member already has) and clears the flat's, so ``.grad`` behaves as
+    autograd's own: ``zero_grad``, accumulation over several backwards, a member also read
+    outside its block.
 
     What would break the link is caught: ``nn.Module._apply`` (``to_empty``, ``.to``) would
     give members new storage of their own, so the region's ``_apply`` converts the flat
