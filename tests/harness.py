@@ -9,6 +9,7 @@ hanging.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import math
 import os
 import socket
@@ -37,6 +38,9 @@ def free_port() -> int:
 
 
 def _child(rank, world, port, out_dir, fn, kwargs, backend, pg_timeout):
+    # A rank killed by a signal (a segfault, glibc's abort on a corrupt heap) leaves no
+    # traceback of its own: this prints every thread's Python stack to the test's stderr.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
