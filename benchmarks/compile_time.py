@@ -28,8 +28,9 @@ alternately (A B A B) and the table gives medians:
 Columns: first step (the seconds from the call to the end of backward, compilation
 included), Dynamo (frame conversion, backend excluded), joint (AOTAutograd's joint trace and
 metadata), passes (fsdp_compile's passes, every stage), partitioner, compiler (the eager
-runner, nothing to speak of, or Inductor: mfsdp's own compiler calls); each counts the step's
-graphs and the repeated blocks' bodies (frames of their own) together. mfsdp's backend must
+runner, nothing to speak of, or Inductor: mfsdp's own compiler calls), gc (Python's garbage
+collector, which runs inside the other stages, so its seconds are part of theirs); each counts
+the step's graphs and the repeated blocks' bodies (frames of their own) together. mfsdp's backend must
 stay linear in graph size: the per-layer growth of each column shows where it is not.
 """
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
@@ -99,6 +101,8 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
     name, model, vocab = _model(layers)
     tokens = torch.randint(0, vocab, (2, 32))
     backend = None
+    collecting = _CollectorClock()
+    gc.callbacks.append(collecting)
     start = time.perf_counter()
     if mode == "fsdp2-compile":
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -124,6 +128,7 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
         forward = torch.compile(model, backend=backend)
     _loss(forward, tokens).backward()
     total = time.perf_counter() - start
+    gc.callbacks.remove(collecting)
     metrics = {k: sum(v) for k, v in compilation_time_metrics.items()}
     ours = {"passes": 0.0, "partitioner": 0.0, "compiler": 0.0}
     bodies = [g for graphs in backend.bodies.values() for g in graphs] if backend else []
@@ -140,7 +145,24 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
         "dynamo_s": metrics.get("_compile.compile_inner", 0.0) - metrics.get("OutputGraph.call_user_compiler", 0.0),
         "joint_s": metrics.get("aot_trace_joint_graph", 0.0) + metrics.get("aot_collect_metadata", 0.0),
         **{f"{k}_s": v for k, v in ours.items()},
+        "gc_s": collecting.seconds,
     }
+
+
+class _CollectorClock:
+    """Seconds Python's garbage collector ran, read from ``gc.callbacks``: a collection of
+    the oldest generation walks every tracked object of the process (torch's and
+    transformers' included), and a compile that keeps more objects alive starts more of them."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
 
 
 def _fresh_process(layers: int, mode: str, world: int, compiler: str, cache: str, cached: bool) -> dict:
@@ -166,7 +188,7 @@ def _runs(layers: int, mode: str, world: int, compiler: str, restart: bool) -> l
     return [cold, {**warm, "mode": f"{mode} restart"}]
 
 
-COLUMNS = ("first_step_s", "dynamo_s", "joint_s", "passes_s", "partitioner_s", "compiler_s")
+COLUMNS = ("first_step_s", "dynamo_s", "joint_s", "passes_s", "partitioner_s", "compiler_s", "gc_s")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Gathers in flight together on gloo, as every prefetched step issues them.
 
-torch 2.13 runs ``_c10d_functional.all_gather_into_tensor`` as a one-tensor coalesced
+torch 2.12 and 2.13 run ``_c10d_functional.all_gather_into_tensor`` as a one-tensor coalesced
 all-gather, and gloo's coalesced all-gather corrupts the heap when two are in flight: a rank
 died in CI with "malloc(): unaligned tcache chunk detected" (once as a segfault in gloo's
 worker thread) in the middle of the strategy x API matrix. fsdp_compile registers a CPU
