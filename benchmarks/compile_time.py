@@ -30,8 +30,9 @@ included), Dynamo (frame conversion, backend excluded), joint (AOTAutograd's joi
 metadata), passes (fsdp_compile's passes, every stage), partitioner, compiler (the eager
 runner, nothing to speak of, or Inductor: mfsdp's own compiler calls), gc (Python's garbage
 collector, which runs inside the other stages, so its seconds are part of theirs); each counts
-the step's graphs and the repeated blocks' bodies (frames of their own) together. mfsdp's backend must
-stay linear in graph size: the per-layer growth of each column shows where it is not.
+the step's graphs and the repeated blocks' bodies (frames of their own) together. mfsdp's
+backend must stay linear in graph size: the per-layer growth of each column shows where it is
+not.
 """
 
 from __future__ import annotations
