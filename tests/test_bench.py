@@ -12,11 +12,11 @@ import pytest
 MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-bodies")
 
 
-def _run_bench(json_path, *, preset="tiny", modes=MODES, where=("--world-size", "2")) -> dict:
+def _run_bench(json_path, *, preset="tiny", modes=MODES, where=("--world-size", "2"), compiler="eager") -> dict:
     command = [
         sys.executable, "-m", "fsdp_compile.bench",
         "--preset", preset, *where, "--device", "cpu",
-        "--modes", ",".join(modes), "--compiler", "eager",
+        "--modes", ",".join(modes), "--compiler", compiler,
         "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "3",
         "--json", str(json_path), "--timeout-s", "240",
     ]  # fmt: skip
@@ -41,6 +41,7 @@ def test_bench_cli_runs_every_mode_with_matching_losses(tmp_path):
     assert tuple(results) == MODES
     assert document["machine"]["world_size"] == 2
     assert document["machine"]["cpu"]
+    assert document["process_warmup_s"] > 0  # paid before the first mode, by none of them
     for mode, r in results.items():
         assert r["median_step_ms"] > 0, (mode, r["step_ms"])
         assert len(r["step_ms"]) == 3, mode
@@ -87,6 +88,43 @@ def test_hf_preset_as_one_rank_of_a_fake_world(tmp_path):
     assert results["mfsdp"]["collectives"]["all_gather"] == results["fsdp2-compile"]["collectives"]["all_gather"] == 5
     assert results["mfsdp"]["collectives"]["reduce_scatter"] == 3
     assert results["mfsdp"]["params_m"] == results["fsdp2-compile"]["params_m"] > 0.5
+    # Without --compile-cache every mode compiles cold: a fresh folder, nothing loaded.
+    for r in results.values():
+        assert r["compile_cache"]["folder"] is None
+        assert r["compile_cache"]["aot_autograd_hits"] == r["compile_cache"]["fx_graph_hits"] == 0
+
+
+@pytest.mark.structure
+def test_second_bench_run_over_a_compile_cache_is_a_restart(tmp_path):
+    """``--compile-cache DIR``: each mode compiles in a folder of its own inside DIR with the
+    caches on, so a second run over DIR loads every graph the first compiled, as a restart
+    after preemption does, for FSDP2 + per-block compile and mfsdp alike. The first run
+    loads nothing (a mode never reads another's kernels: NOTE: each mode compiles cold),
+    the restart computes the same first loss, and its collectives, counted by the profiler
+    where no graph was compiled, are those the first run's compiled graphs hold."""
+    pytest.importorskip("transformers")
+    runs = [
+        _run_bench(
+            tmp_path / f"bench{i}.json", preset="hf-llama-tiny", modes=("fsdp2-compile", "mfsdp"),
+            where=("--fake-world", "2", "--compile-cache", str(tmp_path / "caches")), compiler="inductor",
+        )
+        for i in range(2)
+    ]
+    cold, restart = ({r["mode"]: r for r in run["results"]} for run in runs)
+    for mode in ("fsdp2-compile", "mfsdp"):
+        assert cold[mode]["compile_cache"]["folder"] == str((tmp_path / "caches" / mode).resolve())
+        assert cold[mode]["compile_cache"]["aot_autograd_hits"] == cold[mode]["compile_cache"]["fx_graph_hits"] == 0
+        assert cold[mode]["compile_cache"]["aot_autograd_misses"] >= 1, cold[mode]
+        loaded = restart[mode]["compile_cache"]
+        assert loaded["aot_autograd_misses"] == loaded["fx_graph_misses"] == 0, loaded
+        assert loaded["aot_autograd_hits"] == cold[mode]["compile_cache"]["aot_autograd_misses"], loaded
+        assert loaded["fx_graph_hits"] == cold[mode]["compile_cache"]["fx_graph_misses"], loaded
+        # Only the first loss: the fake group's reduce-scatters leave their outputs unwritten.
+        assert restart[mode]["loss_step0"] == cold[mode]["loss_step0"]
+    assert cold["mfsdp"]["collectives"]["counted_by"].startswith("compiled graphs")
+    assert restart["mfsdp"]["collectives"]["counted_by"].startswith("torch.profiler")
+    for kind in ("all_gather", "reduce_scatter"):
+        assert restart["mfsdp"]["collectives"][kind] == cold["mfsdp"]["collectives"][kind] > 0
 
 
 @pytest.mark.structure

@@ -36,6 +36,7 @@ from fsdp_compile.bench.modes import (
     agree_across_ranks,
     run_mode,
     skip_reason,
+    warm_up_process,
 )
 from fsdp_compile.bench.presets import PRESETS
 from fsdp_compile.bench.report import (
@@ -80,6 +81,10 @@ class BenchConfig:
     float8 all-gather); needs ``pip install 'fsdp_compile[float8]'``."""
     lr: float = 1e-3
     seed: int = 0
+    compile_cache: str = ""
+    """Compile each mode with Inductor's and AOTAutograd's caches on, in a folder of its own
+    inside this one: run the bench twice over one folder and the second run's warm-up is a
+    restart's (empty: every mode compiles cold, in a fresh folder, the caches off)."""
     json: str = ""
     """Write the results here too (empty: only print)."""
     timeout_s: float = 3600.0
@@ -97,6 +102,7 @@ class BenchConfig:
             float8=self.float8 == "on",
             lr=self.lr,
             seed=self.seed,
+            compile_cache=self.compile_cache,
         )
 
 
@@ -160,6 +166,7 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: Be
         )
     try:
         run, results, skipped = bench.run_config(), [], {}
+        process_warmup_s = warm_up_process(run, device)
         for mode in bench.modes.split(","):
             reason = skip_reason(mode, device)
             if reason:
@@ -182,6 +189,7 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: Be
                 "machine": machine,
                 "baseline": baseline_mode(results),
                 "config": asdict(bench),
+                "process_warmup_s": process_warmup_s,
                 "results": results,
                 "skipped": skipped,
             }

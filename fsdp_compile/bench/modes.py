@@ -21,18 +21,42 @@ own shards, the same in every mode); the others are built whole from the seed fi
 Step order, the same in every mode: ``warmup`` steps on the first batch (``capture_step`` warms
 up on its static inputs, so every mode does), one profiled step (collectives), then the timed
 steps, each on a fresh batch.
+
+NOTE: each mode compiles cold
+    Modes run one after another in one process, and Inductor keeps what it compiled in its
+    cache folder and in memory (kernels by source code): a mode after another would load the
+    kernels they share (a block compiled by FSDP2 + per-block compile and the same block's
+    body compiled by mfsdp) and its warm-up would not be a first compile. So each mode
+    compiles in a folder of its own with the in-memory caches cleared (``compile_caches``):
+    by default a fresh one, the FX graph and AOTAutograd caches off, as a first start meets;
+    with ``--compile-cache DIR``, ``DIR/<mode>`` with the caches on, so a second run over the
+    same folder measures what a restart after preemption meets, and says how many graphs it
+    loaded.
+
+    What a process pays once, at its first compile, whichever mode it is for (Inductor's
+    compile workers, probing the C++ compiler, importing the code generators: about 12 s on
+    a 2-core CPU), is paid before the first mode (``warm_up_process``), so that no mode's
+    warm-up carries it: each measures its own compile, in any order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.utils import counters
+from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+from torch._inductor.utils import _set_env, fresh_cache
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
@@ -72,6 +96,56 @@ class RunConfig:
     """Linears converted to torchao float8 training, weights gathered in float8."""
     lr: float
     seed: int
+    compile_cache: str = ""
+    """A folder: each mode compiles with the caches on in a folder of its own inside it (NOTE:
+    each mode compiles cold); empty: a fresh folder per mode, the caches off."""
+
+
+# torch's compile counters that say whether a graph was compiled or loaded:
+# (counters group, key) -> the name the bench reports.
+_CACHE_COUNTERS = {
+    ("aot_autograd", "autograd_cache_hit"): "aot_autograd_hits",
+    ("aot_autograd", "autograd_cache_miss"): "aot_autograd_misses",
+    ("inductor", "fxgraph_cache_hit"): "fx_graph_hits",
+    ("inductor", "fxgraph_cache_miss"): "fx_graph_misses",
+}
+
+
+@contextlib.contextmanager
+def compile_caches(mode: str, folder: str) -> Iterator[dict]:
+    """Where ``mode`` compiles (NOTE: each mode compiles cold); yields a dict that holds, on
+    exit, the folder and the cache hits and misses of everything compiled inside."""
+    before = {counter: counters[counter[0]][counter[1]] for counter in _CACHE_COUNTERS}
+    where = Path(folder, mode).resolve() if folder else None
+    report: dict = {"folder": str(where) if where else None}
+    if where:
+        # Triton's compiled kernels too, where torch's fresh_cache puts them.
+        with temporary_cache_dir(str(where)), _set_env("TRITON_CACHE_DIR", str(where / "triton")):
+            yield report
+    else:
+        with (
+            fresh_cache(),
+            inductor_config.patch(fx_graph_cache=False),
+            functorch_config.patch(enable_autograd_cache=False),
+        ):
+            yield report
+    for (group, key), name in _CACHE_COUNTERS.items():
+        report[name] = counters[group][key] - before[group, key]
+
+
+def warm_up_process(run: RunConfig, device: torch.device) -> float:
+    """Compile and differentiate a small function with the modes' compiler (NOTE: each mode
+    compiles cold), in a folder of its own, before any mode; its seconds."""
+    start = time.perf_counter()
+    with compile_caches("process warm-up", ""):
+        x = torch.randn(16, 16, device=device, requires_grad=True)
+        compiled = torch.compile(
+            lambda t: (t @ t).softmax(-1).sum(), backend="inductor" if run.compiler == "inductor" else "aot_eager"
+        )
+        compiled(x).backward()
+    _sync(device)
+    torch._dynamo.reset()
+    return time.perf_counter() - start
 
 
 def skip_reason(mode: str, device: torch.device) -> str | None:
@@ -127,14 +201,12 @@ def _build(mode: str, run: RunConfig, device: torch.device):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         forward = model
         if mode != "eager":
-            # compile_cache=False: the census reads the compiled graphs, which a cache hit
-            # never builds.
             backend = MfsdpBackend(
                 compiler=run.compiler,
                 cuda_graph=mode == "mfsdp-cudagraph",
                 regional=mode != "mfsdp-whole",
                 compile_outside_blocks=mode != "mfsdp-bodies",
-                compile_cache=False,
+                compile_cache=bool(run.compile_cache),
             )
             forward = torch.compile(model, backend=backend)
     materialize(model, device, run.seed + dist.get_rank())
@@ -157,6 +229,12 @@ def _sync(device: torch.device) -> None:
 
 def run_mode(mode: str, run: RunConfig, device: torch.device) -> dict:
     """Build, warm up, profile one step, time ``run.steps`` steps; this rank's numbers."""
+    with compile_caches(mode, run.compile_cache) as caches:
+        result = _run(mode, run, device)
+    return {**result, "compile_cache": caches}
+
+
+def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
     memory = PeakMemory(device)
     model, forward, backend = _build(mode, run, device)
     # capturable keeps AdamW's step count on the device, which capture needs; every mode
@@ -212,12 +290,18 @@ def run_mode(mode: str, run: RunConfig, device: torch.device) -> dict:
         "model_tflops_per_step": train_flops(PRESETS[run.preset], run.batch, run.seq) / 1e12,
         "profiled_collectives": profiled,
     }
+    # A graph loaded from the compile cache was never compiled here: nothing to count in it.
+    compiled_here = backend is not None and all(g.compiled for g in _graphs_of(backend))
     result["collectives"] = (
-        graph_census(backend.graphs, backend.bodies) if backend is not None else result["profiled_collectives"]
+        graph_census(backend.graphs, backend.bodies) if compiled_here else result["profiled_collectives"]
     )
     if mode == "mfsdp-cudagraph":
         step.teardown()
     return result
+
+
+def _graphs_of(backend: MfsdpBackend) -> list:
+    return [*backend.graphs, *(g for bodies in backend.bodies.values() for g in bodies)]
 
 
 def agree_across_ranks(result: dict, device: torch.device) -> dict:

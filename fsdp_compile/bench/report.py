@@ -135,10 +135,22 @@ def print_report(document: dict) -> None:
     print("".join(format(name, spec) for name, spec in _COLUMNS))
     for r in results:
         print("".join(format(value, spec) for value, (_, spec) in zip(_row(r), _COLUMNS)))
+    print(
+        f"warm-up s: each mode's compile and warm-up steps; the process's one-time compile costs "
+        f"came first, {document['process_warmup_s']:.1f} s on rank 0"
+    )
     if results:
         print(f"peak memory: {results[0]['memory_measure']} (largest over ranks)")
     for r in results:
         print(f"collectives of {r['mode']}: {r['collectives']['counted_by']}")
+    for r in results:
+        caches = r["compile_cache"]
+        if caches["folder"]:
+            print(
+                f"compile caches of {r['mode']} (rank 0, {caches['folder']}): AOTAutograd "
+                f"{caches['aot_autograd_hits']} hits, {caches['aot_autograd_misses']} misses; "
+                f"FX graphs {caches['fx_graph_hits']} hits, {caches['fx_graph_misses']} misses"
+            )
     for mode, reason in document["skipped"].items():
         print(f"skipped {mode}: {reason}")
     print(json.dumps(document), flush=True)
