@@ -65,10 +65,10 @@ class BlockCall:
     """The body function of the block's structure: ``body(block, layout, recipe, *leaves)``."""
     name: str
     """The body's name, one per structure (``_region_3``)."""
-    layout: int
-    """How the call's leaves regroup into arguments (regions' call layouts)."""
-    recipe: int
-    """How the gathered weights become the block's parameters (regions' recipes)."""
+    layout: str
+    """How the call's leaves regroup into arguments (a key of regions' call layouts)."""
+    recipe: str
+    """How the gathered weights become the block's parameters (a key of regions' recipes)."""
     constants: tuple[tuple, ...]
     """Per leaf: ``()`` where a tensor goes, ``(value,)`` for a constant."""
     train: bool

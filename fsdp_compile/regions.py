@@ -120,7 +120,7 @@ def _region_forward(self: nn.Module, *args, **kwargs):
 def _gather_recipe(block_key: int) -> tuple:
     """What the wrapper of the block ``block_key`` gathers, as constants (run, not traced, by
     Dynamo): the markers' arguments of its flat parameters, then of the parameters on their
-    own, and the index of its recipe (``_RECIPES``). Refuses a block whose parameters were
+    own, and the key of its recipe (``_RECIPES``). Refuses a block whose parameters were
     replaced since ``fully_shard``: its wrapper would gather the old ones."""
     block = _BLOCKS[block_key]
     _check_params(block)
@@ -134,11 +134,11 @@ def _gather_recipe(block_key: int) -> tuple:
 # How gathered values become a block's parameters: per flat, ``split_gathered``'s arguments and
 # the rows each member keeps; the body's weights as indices into the members and the parameters
 # on their own; the owners those weights go to. The same for every block of one structure and
-# sharding, so a body's frame sees one value. Append-only; read by index.
+# sharding, so a body's frame sees one value. Append-only; read by key (``_index_in``).
 _RECIPES: list[tuple] = []
 
 
-def _recipe_index(block: nn.Module) -> int:
+def _recipe_index(block: nn.Module) -> str:
     layout: RegionLayout = block._mfsdp_region
     flats = block._mfsdp_region_flats.values()
     recipe = (
@@ -149,17 +149,21 @@ def _recipe_index(block: nn.Module) -> int:
     return _index_in(_RECIPES, recipe)
 
 
-def _index_in(table: list, value: object) -> int:
-    """``value``'s index in the append-only ``table``, appended if new: the small int Dynamo
-    sees as a constant in place of the value."""
+def _index_in(table: list, value: object) -> str:
+    """``value``'s key in the append-only ``table`` (its index, as a string), appended if new:
+    what Dynamo sees as a constant in place of the value. A string, since a body's frame
+    takes it as an argument: Dynamo may make an int argument symbolic (a step compiled with
+    ``dynamic=True``, an int that changed between calls), and the body could then not read
+    its table without a graph break (torch 2.13) or an internal error (2.11); it never makes
+    a string symbolic."""
     if value not in table:
         table.append(value)
-    return table.index(value)
+    return str(table.index(value))
 
 
 @torch._dynamo.assume_constant_result
-def _recipe_of(recipe: int) -> tuple:
-    return _RECIPES[recipe]
+def _recipe_of(recipe: str) -> tuple:
+    return _RECIPES[int(recipe)]
 
 
 def _check_params(block: nn.Module) -> None:
@@ -195,7 +199,7 @@ def _with_weights(block: nn.Module, owners, weights, args, kwargs):
         return _with_weights(block, rest, weights[len(names) :], args, kwargs)
 
 
-def _region(block: nn.Module, layout: int, recipe: int, *leaves):
+def _region(block: nn.Module, layout: str, recipe: str, *leaves):
     """The body: the gathered flats copied out into the block's parameters, then its forward."""
     n_args, names, widths = _call_layout_of(layout)
     unpacks, slots, owners = _recipe_of(recipe)
@@ -218,25 +222,26 @@ def _region(block: nn.Module, layout: int, recipe: int, *leaves):
 
 _NOT_OPENED = -1
 # How a body call's flat leaves regroup: (positional count, keyword names, widths), the
-# first width the gathered weights'. Append-only; a call names its entry by index, a constant.
+# first width the gathered weights'. Append-only; a call names its entry by key
+# (``_index_in``), a constant.
 _CALL_LAYOUTS: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
 
 
 @torch._dynamo.assume_constant_result
-def _call_layout(n_args: int, names: tuple[str, ...], widths: tuple[int, ...]) -> int:
-    """The index of this call's layout in ``_CALL_LAYOUTS`` (run, not traced, by Dynamo)."""
+def _call_layout(n_args: int, names: tuple[str, ...], widths: tuple[int, ...]) -> str:
+    """The key of this call's layout in ``_CALL_LAYOUTS`` (run, not traced, by Dynamo)."""
     return _index_in(_CALL_LAYOUTS, (n_args, names, widths))
 
 
 @torch._dynamo.assume_constant_result
-def _call_layout_of(layout: int) -> tuple[int, tuple[str, ...], tuple[int, ...]]:
+def _call_layout_of(layout: str) -> tuple[int, tuple[str, ...], tuple[int, ...]]:
     # Run, not traced: a list Dynamo read while tracing would be guarded on, and a layout
     # added later would fail those guards.
-    return _CALL_LAYOUTS[layout]
+    return _CALL_LAYOUTS[int(layout)]
 
 
 @torch._dynamo.assume_constant_result
-def _block_call(block_key: int, layout: int, recipe: int, constants: tuple, train: bool) -> int:
+def _block_call(block_key: int, layout: str, recipe: str, constants: tuple, train: bool) -> int:
     """The ``block_forward`` call of the block ``block_key`` (an index, see
     fsdp_compile/block_call.py), or -1 where the body runs inline: outside a compile by
     mfsdp, or under ``options={"regional": False}`` (run, not traced, by Dynamo)."""

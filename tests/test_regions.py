@@ -61,6 +61,25 @@ def test_six_layers_compile_one_body_once():
 
 
 @pytest.mark.structure
+def test_a_step_compiled_with_dynamic_shapes_compiles_each_body_whole():
+    """``torch.compile(..., dynamic=True)`` makes a frame's int arguments symbolic, the body's
+    too. The body's keys into the call layouts and recipes are strings, which Dynamo keeps
+    constant, so it reads its tables while tracing and compiles as one graph (with int keys:
+    a graph break at its first line on torch 2.13, an internal error on 2.11)."""
+    from torch._dynamo.utils import counters
+
+    breaks = sum(counters["graph_break"].values())
+    with fake_process_group(8):
+        model = fully_shard(build_model(CFG))
+        backend = MfsdpBackend(compiler="eager")
+        tokens, targets = make_batch(CFG, 2, 8, 0)
+        loss_fn(torch.compile(model, backend=backend, dynamic=True)(tokens), targets).backward()
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    (bodies,) = backend.bodies.values()
+    assert len(bodies) == 1 and sum(len(_calls(g.dynamo)) for g in backend.graphs) == CFG.n_layers
+
+
+@pytest.mark.structure
 def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
     """Four identical layers: the step's graph calls one body four times, compiled once, and
     every gather and reduce-scatter is in the step's graphs, one bucket per layer, where the
