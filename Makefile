@@ -6,7 +6,7 @@ NPROC ?= 2
 
 # The lowest torch pyproject admits, in a venv of its own (a CUDA build from PyPI: about
 # 5 GB; it runs on the CPU).
-LOWEST_TORCH ?= 2.12.0
+LOWEST_TORCH ?= 2.11.0
 LOWEST_VENV ?= .venv-torch-lowest
 
 .PHONY: install demo test test-suite test-lowest-torch clean
