@@ -32,7 +32,7 @@ def gather_cpu_tensors_one_work_each() -> None:
     """On CPU tensors, ``_c10d_functional.all_gather_into_tensor`` (the gather every compiled
     step issues) runs as ``all_gather_into_tensor_out`` does: one ``_allgather_base`` work.
 
-    torch 2.13 and 2.12 (the releases tested) run the functional gather as a one-tensor
+    torch 2.11 to 2.13 (the releases tested) run the functional gather as a one-tensor
     ``allgather_into_tensor_coalesced``, and gloo's coalesced all-gather corrupts the heap
     when two are in flight at once: glibc aborts ("malloc(): unaligned tcache chunk
     detected") or gloo's worker thread segfaults, within seconds of issuing four gathers
