@@ -132,8 +132,7 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
     gc.callbacks.remove(collecting)
     metrics = {k: sum(v) for k, v in compilation_time_metrics.items()}
     ours = {"passes": 0.0, "partitioner": 0.0, "compiler": 0.0}
-    bodies = [g for graphs in backend.bodies.values() for g in graphs] if backend else []
-    for graph in (backend.graphs if backend else []) + bodies:  # the step's, then the blocks' bodies
+    for graph in backend.all_graphs() if backend else []:  # the step's, then the blocks' bodies
         for key in ours:
             ours[key] += graph.seconds[key]
     dist.destroy_process_group()

@@ -245,6 +245,10 @@ class MfsdpBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         return self._compile(self.graphs, gm, example_inputs)
 
+    def all_graphs(self) -> list[CompiledGraph]:
+        """Every graph this backend compiled: the step's, then the bodies'."""
+        return [*self.graphs, *(g for bodies in self.bodies.values() for g in bodies)]
+
     def _compile(self, graphs: list[CompiledGraph], gm: fx.GraphModule, example_inputs: list):
         graph = CompiledGraph(gm, example_inputs, self.options)
         graphs.append(graph)

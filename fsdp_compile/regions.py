@@ -127,18 +127,18 @@ def _gather_recipe(block_key: int) -> tuple:
     return (
         tuple(marker_args(shard_info(f), f.dtype) for f in block._mfsdp_region_flats.values()),
         tuple(marker_args(shard_info(p), p.dtype) for p in block._mfsdp_region_params.values()),
-        _recipe_index(block),
+        _recipe_key(block),
     )
 
 
 # How gathered values become a block's parameters: per flat, ``split_gathered``'s arguments and
 # the rows each member keeps; the body's weights as indices into the members and the parameters
 # on their own; the owners those weights go to. The same for every block of one structure and
-# sharding, so a body's frame sees one value. Append-only; read by key (``_index_in``).
+# sharding, so a body's frame sees one value. Append-only; read by key (``_key_in``).
 _RECIPES: list[tuple] = []
 
 
-def _recipe_index(block: nn.Module) -> str:
+def _recipe_key(block: nn.Module) -> str:
     layout: RegionLayout = block._mfsdp_region
     flats = block._mfsdp_region_flats.values()
     recipe = (
@@ -146,10 +146,10 @@ def _recipe_index(block: nn.Module) -> str:
         layout.slots,
         layout.owners,
     )
-    return _index_in(_RECIPES, recipe)
+    return _key_in(_RECIPES, recipe)
 
 
-def _index_in(table: list, value: object) -> str:
+def _key_in(table: list, value: object) -> str:
     """``value``'s key in the append-only ``table`` (its index, as a string), appended if new:
     what Dynamo sees as a constant in place of the value. A string, since a body's frame
     takes it as an argument: Dynamo may make an int argument symbolic (a step compiled with
@@ -223,14 +223,14 @@ def _region(block: nn.Module, layout: str, recipe: str, *leaves):
 _NOT_OPENED = -1
 # How a body call's flat leaves regroup: (positional count, keyword names, widths), the
 # first width the gathered weights'. Append-only; a call names its entry by key
-# (``_index_in``), a constant.
+# (``_key_in``), a constant.
 _CALL_LAYOUTS: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
 
 
 @torch._dynamo.assume_constant_result
 def _call_layout(n_args: int, names: tuple[str, ...], widths: tuple[int, ...]) -> str:
     """The key of this call's layout in ``_CALL_LAYOUTS`` (run, not traced, by Dynamo)."""
-    return _index_in(_CALL_LAYOUTS, (n_args, names, widths))
+    return _key_in(_CALL_LAYOUTS, (n_args, names, widths))
 
 
 @torch._dynamo.assume_constant_result

@@ -115,7 +115,7 @@ _CACHE_COUNTERS = {
 def compile_caches(mode: str, folder: str) -> Iterator[dict]:
     """Where ``mode`` compiles (NOTE: each mode compiles cold); yields a dict that holds, on
     exit, the folder and the cache hits and misses of everything compiled inside."""
-    before = {counter: counters[counter[0]][counter[1]] for counter in _CACHE_COUNTERS}
+    before = {(group, key): counters[group][key] for group, key in _CACHE_COUNTERS}
     where = Path(folder, mode).resolve() if folder else None
     report: dict = {"folder": str(where) if where else None}
     if where:
@@ -291,17 +291,13 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
         "profiled_collectives": profiled,
     }
     # A graph loaded from the compile cache was never compiled here: nothing to count in it.
-    compiled_here = backend is not None and all(g.compiled for g in _graphs_of(backend))
+    compiled_here = backend is not None and all(g.compiled for g in backend.all_graphs())
     result["collectives"] = (
         graph_census(backend.graphs, backend.bodies) if compiled_here else result["profiled_collectives"]
     )
     if mode == "mfsdp-cudagraph":
         step.teardown()
     return result
-
-
-def _graphs_of(backend: MfsdpBackend) -> list:
-    return [*backend.graphs, *(g for bodies in backend.bodies.values() for g in bodies)]
 
 
 def agree_across_ranks(result: dict, device: torch.device) -> dict:
