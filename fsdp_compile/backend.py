@@ -45,7 +45,7 @@ _COMPILED_CODE_SOURCES = tuple(
     sorted(
         str(p)
         for p in [*(_PACKAGE / "passes").glob("*.py"), *(_PACKAGE / f for f in (
-            "backend.py", "bucket_copies.py", "compat.py", "float8.py",
+            "backend.py", "block_call.py", "bucket_copies.py", "compat.py", "float8.py",
             "fx_utils.py", "ops.py", "patterns.py", "pipeline.py", "plan.py", "planner.py",
         ))]
     )

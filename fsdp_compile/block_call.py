@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -185,9 +186,31 @@ def _fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> 
     outputs = _outputs_of_this_compile()
     if key not in outputs:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
-        with fake_mode or contextlib.nullcontext():
+        with fake_mode or contextlib.nullcontext(), _buffers_as_fakes(call.block(), fake_mode):
             outputs[key] = _run_on_fakes(call, weights, tensors)
     return outputs[key]
+
+
+@contextlib.contextmanager
+def _buffers_as_fakes(block: nn.Module, fake_mode: Any) -> Iterator[None]:
+    """The block's buffers (BatchNorm's running statistics, an EMA, a mask) as fakes while its
+    Python runs on fakes. They are real tensors, and a fake mode runs an op whose inputs are
+    all real for real: BatchNorm's ``num_batches_tracked.add_(1)`` would count a batch that
+    never ran. The body's frame makes the real updates when the step runs. Any other real
+    tensor the block reads (a tensor attribute, a global) is converted where an op reads it,
+    as torch does for a function Dynamo traces non-strictly."""
+    if fake_mode is None:
+        yield
+        return
+    fakes = {name: fake_mode.from_tensor(b, static_shapes=True) for name, b in block.named_buffers(remove_duplicate=False)}
+    tls = torch._subclasses.fake_tensor.fake_tensor_tls
+    before = tls.allow_non_fake_inputs_override
+    tls.allow_non_fake_inputs_override = True
+    try:
+        with _reparametrize_module(block, fakes):
+            yield
+    finally:
+        tls.allow_non_fake_inputs_override = before
 
 
 def _outputs_of_this_compile() -> dict[tuple, dict]:
@@ -281,6 +304,10 @@ def _backward(ctx, grads: list[Tensor | None]):
 block_forward.register_autograd(_backward, setup_context=_save)
 
 BLOCK_FORWARD = torch.ops.fsdp_compile.block_forward.default
+# The body may update the block's buffers (BatchNorm's statistics, a counter): a call whose
+# outputs nobody reads still runs, as the block would eagerly, and no graph's dead-code
+# elimination removes it with those updates.
+torch.fx.node.has_side_effect(BLOCK_FORWARD)
 BLOCK_BACKWARD = torch.ops.fsdp_compile.block_backward.default
 
 

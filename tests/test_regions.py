@@ -239,3 +239,42 @@ def test_a_constant_a_block_returns_that_changes_is_refused_not_kept():
             step(x)
         whole = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=False))
         assert torch.allclose(whole(x), reference(x))
+
+
+class _CountingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, h):
+        self.calls.add_(1)
+        return h + self.lin(h)
+
+
+class _LastCallUnread(nn.Module):
+    """The last layer is called for its buffer update alone: nobody reads what it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_CountingBlock() for _ in range(3))
+
+    def forward(self, h):
+        for block in self.blocks[:-1]:
+            h = block(h)
+        self.blocks[-1](h)
+        return h.sum()
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_block_call_nobody_reads_still_updates_its_buffers(compiler):
+    """A block's call is one op whose body may update the block's buffers, which the step's
+    graph does not see: no dead-code elimination removes it, and the fake run that traced
+    its outputs updated none of them (each layer counts one call per step, as eagerly)."""
+    with fake_process_group(2):
+        model = fully_shard(_LastCallUnread())
+        step = torch.compile(model, backend=MfsdpBackend(compiler=compiler))
+        for _ in range(2):
+            step(torch.randn(4, 8)).backward()
+    assert [int(block.calls) for block in model.blocks] == [2, 2, 2]
