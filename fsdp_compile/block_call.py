@@ -186,23 +186,30 @@ def _fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> 
     outputs = _outputs_of_this_compile()
     if key not in outputs:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
-        with fake_mode or contextlib.nullcontext(), _buffers_as_fakes(call.block(), fake_mode):
+        with fake_mode or contextlib.nullcontext(), _leaving_no_trace(call.block(), fake_mode):
             outputs[key] = _run_on_fakes(call, weights, tensors)
     return outputs[key]
 
 
 @contextlib.contextmanager
-def _buffers_as_fakes(block: nn.Module, fake_mode: Any) -> Iterator[None]:
-    """The block's buffers (BatchNorm's running statistics, an EMA, a mask) as fakes while its
-    Python runs on fakes. They are real tensors, and a fake mode runs an op whose inputs are
-    all real for real: BatchNorm's ``num_batches_tracked.add_(1)`` would count a batch that
-    never ran. The body's frame makes the real updates when the step runs. Any other real
-    tensor the block reads (a tensor attribute, a global) is converted where an op reads it,
-    as torch does for a function Dynamo traces non-strictly."""
-    if fake_mode is None:
-        yield
-        return
-    fakes = {name: fake_mode.from_tensor(b, static_shapes=True) for name, b in block.named_buffers(remove_duplicate=False)}
+def _leaving_no_trace(block: nn.Module, fake_mode: Any) -> Iterator[None]:
+    """The block's Python runs for real on fake tensors, to learn its outputs, and must leave
+    the block as it found it; the body's frame makes every update when the step runs, as
+    Dynamo replays a traced frame's side effects.
+
+    - Its buffers (BatchNorm's statistics, an EMA, a mask) become fakes for the run: a fake
+      mode runs an op whose inputs are all real for real, and BatchNorm's
+      ``num_batches_tracked.add_(1)`` would count a batch that never ran. Any other real
+      tensor it reads (a global) is converted where an op reads it, as torch does for a
+      function Dynamo traces non-strictly.
+    - What it assigns to its modules (a call counter, a cached tensor, a buffer registered
+      anew) is put back: a fake tensor left in a cache would meet the real ones at the next
+      call, and a cache's recorded length would skip the real computation.
+    """
+    states = [(module.__dict__, _attributes(module)) for module in block.modules()]
+    fakes = {} if fake_mode is None else {  # no fake mode: meta tensors, the simulator's step
+        name: fake_mode.from_tensor(b, static_shapes=True) for name, b in block.named_buffers(remove_duplicate=False)
+    }
     tls = torch._subclasses.fake_tensor.fake_tensor_tls
     before = tls.allow_non_fake_inputs_override
     tls.allow_non_fake_inputs_override = True
@@ -211,6 +218,24 @@ def _buffers_as_fakes(block: nn.Module, fake_mode: Any) -> Iterator[None]:
             yield
     finally:
         tls.allow_non_fake_inputs_override = before
+        for attributes, saved in states:
+            _put_back(attributes, saved)
+
+
+def _attributes(module: nn.Module) -> dict[str, tuple[Any, dict | None]]:
+    """A module's attributes, with the contents of those that are dicts (``_parameters``,
+    ``_buffers``, ``_modules``, hooks), which a forward may change in place."""
+    return {name: (value, dict(value) if isinstance(value, dict) else None) for name, value in vars(module).items()}
+
+
+def _put_back(attributes: dict, saved: dict[str, tuple[Any, dict | None]]) -> None:
+    for name in [name for name in attributes if name not in saved]:
+        del attributes[name]
+    for name, (value, contents) in saved.items():
+        attributes[name] = value
+        if contents is not None:  # the same dict object: others may hold it
+            value.clear()
+            value.update(contents)
 
 
 def _outputs_of_this_compile() -> dict[tuple, dict]:

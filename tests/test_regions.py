@@ -242,18 +242,25 @@ def test_a_constant_a_block_returns_that_changes_is_refused_not_kept():
 
 
 class _CountingBlock(nn.Module):
+    """Counts its calls in a buffer and in an attribute, and caches a tensor at its first."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.seen = 0
+        self.scale = None
 
     def forward(self, h):
         self.calls.add_(1)
-        return h + self.lin(h)
+        self.seen += 1
+        if self.scale is None:
+            self.scale = torch.full((h.shape[-1],), 2.0)
+        return h + self.lin(h) * self.scale
 
 
 class _LastCallUnread(nn.Module):
-    """The last layer is called for its buffer update alone: nobody reads what it returns."""
+    """The last layer is called for its updates alone: nobody reads what it returns."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -268,13 +275,17 @@ class _LastCallUnread(nn.Module):
 
 @pytest.mark.structure
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_a_block_call_nobody_reads_still_updates_its_buffers(compiler):
-    """A block's call is one op whose body may update the block's buffers, which the step's
-    graph does not see: no dead-code elimination removes it, and the fake run that traced
-    its outputs updated none of them (each layer counts one call per step, as eagerly)."""
+def test_a_block_updates_its_state_as_eagerly_even_when_nobody_reads_its_call(compiler):
+    """A block's call is one op whose body may update the block's buffers and attributes,
+    which the step's graph does not see: no dead-code elimination removes it, and the fake
+    run that traced its outputs leaves nothing behind (a count more, or a fake tensor in the
+    cache, which the next real call would meet). Each layer counts one call per step and
+    caches a real tensor, as eagerly."""
     with fake_process_group(2):
         model = fully_shard(_LastCallUnread())
         step = torch.compile(model, backend=MfsdpBackend(compiler=compiler))
         for _ in range(2):
             step(torch.randn(4, 8)).backward()
     assert [int(block.calls) for block in model.blocks] == [2, 2, 2]
+    assert [block.seen for block in model.blocks] == [2, 2, 2]
+    assert all(type(block.scale) is torch.Tensor for block in model.blocks)
