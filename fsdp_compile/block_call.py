@@ -202,8 +202,8 @@ def _leaving_no_trace(block: nn.Module, fake_mode: Any) -> Iterator[None]:
       ``num_batches_tracked.add_(1)`` would count a batch that never ran. Any other real
       tensor it reads (a global) is converted where an op reads it, as torch does for a
       function Dynamo traces non-strictly.
-    - What it assigns to its modules (a call counter, a cached tensor, a buffer registered
-      anew) is put back: a fake tensor left in a cache would meet the real ones at the next
+    - What it assigns to its modules or adds to their containers (a call counter, a cached
+      tensor, a buffer registered anew, an entry in a list of statistics) is put back: a fake tensor left in a cache would meet the real ones at the next
       call, and a cache's recorded length would skip the real computation.
     """
     states = [(module.__dict__, _attributes(module)) for module in block.modules()]
@@ -222,20 +222,28 @@ def _leaving_no_trace(block: nn.Module, fake_mode: Any) -> Iterator[None]:
             _put_back(attributes, saved)
 
 
-def _attributes(module: nn.Module) -> dict[str, tuple[Any, dict | None]]:
-    """A module's attributes, with the contents of those that are dicts (``_parameters``,
-    ``_buffers``, ``_modules``, hooks), which a forward may change in place."""
-    return {name: (value, dict(value) if isinstance(value, dict) else None) for name, value in vars(module).items()}
+def _attributes(module: nn.Module) -> dict[str, tuple[Any, Any]]:
+    """A module's attributes, each with a copy of its contents where it is a dict, list or
+    set (``_parameters``, ``_buffers``, ``_modules``, hooks, a list of statistics), which a
+    forward may change in place."""
+    return {name: (value, _contents(value)) for name, value in vars(module).items()}
 
 
-def _put_back(attributes: dict, saved: dict[str, tuple[Any, dict | None]]) -> None:
+def _contents(value: Any) -> Any:
+    for kind in (dict, list, set):
+        if isinstance(value, kind):
+            return kind(value)
+    return None
+
+
+def _put_back(attributes: dict, saved: dict[str, tuple[Any, Any]]) -> None:
     for name in [name for name in attributes if name not in saved]:
         del attributes[name]
     for name, (value, contents) in saved.items():
         attributes[name] = value
-        if contents is not None:  # the same dict object: others may hold it
+        if contents is not None:  # the same object: others may hold it
             value.clear()
-            value.update(contents)
+            (value.extend if isinstance(value, list) else value.update)(contents)
 
 
 def _outputs_of_this_compile() -> dict[tuple, dict]:

@@ -242,7 +242,8 @@ def test_a_constant_a_block_returns_that_changes_is_refused_not_kept():
 
 
 class _CountingBlock(nn.Module):
-    """Counts its calls in a buffer and in an attribute, and caches a tensor at its first."""
+    """Counts its calls in a buffer and in an attribute, lists its inputs' means and caches a
+    tensor at its first call."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -250,10 +251,12 @@ class _CountingBlock(nn.Module):
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.seen = 0
         self.scale = None
+        self.means = []
 
     def forward(self, h):
         self.calls.add_(1)
         self.seen += 1
+        self.means.append(h.detach().mean())
         if self.scale is None:
             self.scale = torch.full((h.shape[-1],), 2.0)
         return h + self.lin(h) * self.scale
@@ -278,9 +281,9 @@ class _LastCallUnread(nn.Module):
 def test_a_block_updates_its_state_as_eagerly_even_when_nobody_reads_its_call(compiler):
     """A block's call is one op whose body may update the block's buffers and attributes,
     which the step's graph does not see: no dead-code elimination removes it, and the fake
-    run that traced its outputs leaves nothing behind (a count more, or a fake tensor in the
-    cache, which the next real call would meet). Each layer counts one call per step and
-    caches a real tensor, as eagerly."""
+    run that traced its outputs leaves nothing behind (a count more, a fake tensor in the cache,
+    which the next real call would meet, or in the list). Each layer counts one call per
+    step, lists real means and caches a real tensor, as eagerly."""
     with fake_process_group(2):
         model = fully_shard(_LastCallUnread())
         step = torch.compile(model, backend=MfsdpBackend(compiler=compiler))
@@ -288,4 +291,5 @@ def test_a_block_updates_its_state_as_eagerly_even_when_nobody_reads_its_call(co
             step(torch.randn(4, 8)).backward()
     assert [int(block.calls) for block in model.blocks] == [2, 2, 2]
     assert [block.seen for block in model.blocks] == [2, 2, 2]
+    assert all([type(m) for m in block.means] == [torch.Tensor] * 2 for block in model.blocks)
     assert all(type(block.scale) is torch.Tensor for block in model.blocks)
