@@ -203,8 +203,9 @@ def _leaving_no_trace(block: nn.Module, fake_mode: Any) -> Iterator[None]:
       tensor it reads (a global) is converted where an op reads it, as torch does for a
       function Dynamo traces non-strictly.
     - What it assigns to its modules or adds to their containers (a call counter, a cached
-      tensor, a buffer registered anew, an entry in a list of statistics) is put back: a fake tensor left in a cache would meet the real ones at the next
-      call, and a cache's recorded length would skip the real computation.
+      tensor, a buffer registered anew, an entry in a list of statistics) is put back: a
+      fake tensor left in a cache would meet the real ones at the next call, and a cache's
+      recorded length would skip the real computation.
     """
     states = [(module.__dict__, _attributes(module)) for module in block.modules()]
     fakes = {} if fake_mode is None else {  # no fake mode: meta tensors, the simulator's step
