@@ -114,6 +114,14 @@ def is_block_call(node: fx.Node) -> bool:
     return _calls(node, BLOCK_FORWARD) or _calls(node, BLOCK_BACKWARD)
 
 
+def grad_mode_set(node: fx.Node) -> bool | None:
+    """The grad mode a Dynamo graph's node switches to (``with torch.no_grad()`` is traced as
+    ``torch._C._set_grad_enabled(False)`` ... ``(True)``), or None for any other node."""
+    if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        return bool(node.args[0])
+    return None
+
+
 def is_view(node: fx.Node) -> bool:
     """An aten view op: its output aliases its input, so saving it saves the input's storage."""
     target = node.target

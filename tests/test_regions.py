@@ -293,3 +293,40 @@ def test_a_block_updates_its_state_as_eagerly_even_when_nobody_reads_its_call(co
     assert [block.seen for block in model.blocks] == [2, 2, 2]
     assert all([type(m) for m in block.means] == [torch.Tensor] * 2 for block in model.blocks)
     assert all(type(block.scale) is torch.Tensor for block in model.blocks)
+
+
+class _SelfDistilled(nn.Module):
+    """Computes its own target under ``no_grad`` with the same layers, then trains on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+    def forward(self, h):
+        with torch.no_grad():
+            target = h
+            for block in self.blocks:
+                target = block(target)
+        for block in self.blocks:
+            h = block(h)
+        return ((h - target.flip(0)) ** 2).sum()
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("regional", [True, False])
+def test_a_gather_under_no_grad_is_not_reused_where_grad_flows(regional):
+    """Each parameter is read twice, first under ``no_grad``: the read with grad enabled must
+    get a gather of its own. Given the first (what one gather per parameter did), the loss
+    did not require grad and no parameter got a gradient. World 1: the gathers copy this
+    rank's whole shard, so gradients compare with the unsharded model's."""
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    reference = _SelfDistilled()
+    reference(x).backward()
+    with fake_process_group(1):
+        torch.manual_seed(0)
+        model = fully_shard(_SelfDistilled())
+        torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=regional))(x).backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert relative_error(grads[name], p.grad) < 1e-5, name

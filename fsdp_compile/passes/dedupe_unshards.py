@@ -1,36 +1,54 @@
-"""Pass (Dynamo graph): one ``unshard`` per parameter."""
+"""Pass (Dynamo graph): one ``unshard`` per parameter and grad mode."""
 
 from __future__ import annotations
 
 from torch import fx
 
 from fsdp_compile.fx_utils import finish
-from fsdp_compile.patterns import is_unshard, marker_param_id
+from fsdp_compile.patterns import grad_mode_set, is_unshard, marker_param_id
 from fsdp_compile.plan import Plan
 
 
 def dedupe_unshards(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Afterwards each ``param_id`` has exactly one ``unshard`` node in the graph.
+    """Afterwards each ``param_id`` has one ``unshard`` node per grad mode it is read in: at
+    most one read with grad enabled, whose gradient flows, and one without.
 
     A tied parameter (an embedding reused as the output head) or a module read twice is traced
     as one ``unshard`` per read. Keeping the first and rerouting the others means one gather in
     forward, and autograd sums the gradients of all reads before the single ``reduce_grad``:
-    one reduce-scatter instead of one per read.
+    one reduce-scatter instead of one per read. A read under ``torch.no_grad()`` (a target
+    computed by the model itself, an EMA) may take any earlier gather, but a read with grad
+    enabled only one made with grad enabled: rerouted to a gather made under ``no_grad``, it
+    would get a weight autograd does not track, and the parameter no gradient from it. The
+    graph's mode before its first switch is taken as enabled, which never reroutes wrongly.
     """
-    first: dict[int, fx.Node] = {}
+    gathered: dict[bool, dict[int, fx.Node]] = {True: {}, False: {}}
+    grad_enabled = True
     for node in list(gm.graph.nodes):
+        switched = grad_mode_set(node)
+        if switched is not None:
+            grad_enabled = switched
+            continue
         if not is_unshard(node):
             continue
         param_id = marker_param_id(node)
-        if param_id in first:
-            node.replace_all_uses_with(first[param_id])
+        earlier = gathered[True].get(param_id) or (None if grad_enabled else gathered[False].get(param_id))
+        if earlier is not None:
+            node.replace_all_uses_with(earlier)
             gm.graph.erase_node(node)
         else:
-            first[param_id] = node
+            gathered[grad_enabled][param_id] = node
     return finish(gm)
 
 
 def check_dedupe_unshards(gm: fx.GraphModule, plan: Plan) -> None:
-    ids = [marker_param_id(n) for n in gm.graph.nodes if is_unshard(n)]
-    duplicated = {i for i in ids if ids.count(i) > 1}
-    assert not duplicated, f"parameters gathered more than once: {sorted(duplicated)}"
+    reads: list[tuple[int, bool]] = []
+    grad_enabled = True
+    for node in gm.graph.nodes:
+        switched = grad_mode_set(node)
+        if switched is not None:
+            grad_enabled = switched
+        elif is_unshard(node):
+            reads.append((marker_param_id(node), grad_enabled))
+    duplicated = {read for read in reads if reads.count(read) > 1}
+    assert not duplicated, f"parameters gathered more than once in one grad mode: {sorted(duplicated)}"
