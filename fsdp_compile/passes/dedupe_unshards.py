@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from torch import fx
 
 from fsdp_compile.fx_utils import finish
@@ -23,14 +25,7 @@ def dedupe_unshards(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     graph's mode before its first switch is taken as enabled, which never reroutes wrongly.
     """
     gathered: dict[bool, dict[int, fx.Node]] = {True: {}, False: {}}
-    grad_enabled = True
-    for node in list(gm.graph.nodes):
-        switched = grad_mode_set(node)
-        if switched is not None:
-            grad_enabled = switched
-            continue
-        if not is_unshard(node):
-            continue
+    for node, grad_enabled in list(_unshards(gm)):
         param_id = marker_param_id(node)
         earlier = gathered[True].get(param_id) or (None if grad_enabled else gathered[False].get(param_id))
         if earlier is not None:
@@ -42,13 +37,17 @@ def dedupe_unshards(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def check_dedupe_unshards(gm: fx.GraphModule, plan: Plan) -> None:
-    reads: list[tuple[int, bool]] = []
+    reads = [(marker_param_id(node), grad_enabled) for node, grad_enabled in _unshards(gm)]
+    duplicated = {read for read in reads if reads.count(read) > 1}
+    assert not duplicated, f"parameters gathered more than once in one grad mode: {sorted(duplicated)}"
+
+
+def _unshards(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, bool]]:
+    """Each ``unshard`` node with the grad mode it runs in (enabled before the first switch)."""
     grad_enabled = True
     for node in gm.graph.nodes:
         switched = grad_mode_set(node)
         if switched is not None:
             grad_enabled = switched
         elif is_unshard(node):
-            reads.append((marker_param_id(node), grad_enabled))
-    duplicated = {read for read in reads if reads.count(read) > 1}
-    assert not duplicated, f"parameters gathered more than once in one grad mode: {sorted(duplicated)}"
+            yield node, grad_enabled
