@@ -29,6 +29,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
+from fsdp_compile.block_call import lower_block_calls_keeping_their_buffers
 from fsdp_compile.compat import compile_caches_work
 from fsdp_compile.debug import GraphDumper, debug_dir, dump_frames
 from fsdp_compile.patterns import is_block_call
@@ -172,6 +173,7 @@ class CompiledGraph:
         # Dumps and inspection need every stage, hence no cache with a debug_dir or
         # compile_cache=False. torch 2.13 keys a graph of DTensors per process and loads it
         # without its opaque constants (the gradients' DeviceMesh): compat.py fixes both.
+        lower_block_calls_keeping_their_buffers()
         cached = self.plan.options.compile_cache and self.dumper is None
         with (
             torch._functorch.config.patch(enable_autograd_cache=cached),

@@ -33,6 +33,12 @@ NOTE: one op per block call
       tensor the op returns and the step saves for backward; an entry whose token died
       unused (a checkpointed block recomputed in backward, a forward never differentiated) is
       dropped at a later call.
+    - A call that activation checkpointing recomputes in the backward runs the body again:
+      where the body draws random numbers (dropout), the recompute must draw the forward's.
+      The step's graph reads the generators' state just before such a call (``rng_state``),
+      the partitioner saves it, and the recompute replays it and puts the generators back,
+      as ``torch.utils.checkpoint`` does eagerly (passes ``save_block_rng`` and
+      ``replay_block_rng``). Inside a body, AOTAutograd handles its own random ops.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile.errors import CompileUsageError
 
-__all__ = ["BlockCall", "register_call", "call_record", "BLOCK_FORWARD", "BLOCK_BACKWARD"]
+__all__ = ["BlockCall", "register_call", "call_record", "BLOCK_FORWARD", "BLOCK_BACKWARD", "RNG_STATE"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,8 +85,9 @@ class BlockCall:
     traced: dict = field(default_factory=dict)
     """Filled by the fake kernel: ``differentiable`` (which tensor leaves need a gradient),
     ``outputs`` (their metadata), ``form`` (how they regroup), ``cost``: the FLOPs and
-    bytes of the body's forward and backward ops (see ``_RooflineCounter``), and
-    ``saved_bytes``: what its autograd graph keeps for the backward (see ``_saved_bytes``)."""
+    bytes of the body's forward and backward ops (see ``_RooflineCounter``),
+    ``saved_bytes``: what its autograd graph keeps for the backward (see ``_saved_bytes``),
+    and ``random``: whether its forward draws random numbers."""
 
     def leaves(self, tensors: list[Tensor]) -> list[Any]:
         tensors = iter(tensors)
@@ -138,9 +145,12 @@ class _RooflineCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.flops = self.bytes = 0
+        self.random = False
+        """Whether an op drew from a random generator (dropout's ``bernoulli_``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.random |= torch.Tag.nondeterministic_seeded in func.tags
         out = func(*args, **kwargs)
         count = flop_registry.get(func.overloadpacket)
         if count is not None:
@@ -287,17 +297,26 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
         "outputs": [_metadata(t) for t in flat],
         "cost": {"forward": (forward.flops, forward.bytes), "backward": (backward.flops, backward.bytes)},
         "saved_bytes": saved_bytes,
+        "random": forward.random,
     }
 
 
 @torch.library.custom_op("fsdp_compile::block_forward", mutates_args=())
-def block_forward(weights: list[Tensor], tensors: list[Tensor], call: int) -> list[Tensor]:
-    """The block's outputs, then a token its backward finds the body's autograd graph by."""
-    return _run_forward(_CALLS[call], weights, tensors)
+def block_forward(
+    weights: list[Tensor], tensors: list[Tensor], call: int, rng_state: Tensor | None = None, replay: bool = False
+) -> list[Tensor]:
+    """The block's outputs, then a token its backward finds the body's autograd graph by.
+
+    ``rng_state`` is what the generators were at as the forward's call began (``rng_state``);
+    a recompute of the call in the backward (``replay``) draws from it again."""
+    if not replay:
+        return _run_forward(_CALLS[call], weights, tensors)
+    with _generators_at(rng_state, (*weights, *tensors)[0].device):
+        return _run_forward(_CALLS[call], weights, tensors)
 
 
 @block_forward.register_fake
-def _(weights, tensors, call) -> list[Tensor]:
+def _(weights, tensors, call, rng_state=None, replay=False) -> list[Tensor]:
     record = _CALLS[call]
     record.traced.update(_fake_run(record, weights, tensors))
     # Dynamo's call comes first and sees the user's tensors; AOTAutograd's come from below
@@ -321,7 +340,10 @@ def _(token, weights, tensors, grads, call) -> list[Tensor]:
 
 
 def _save(ctx, inputs, output) -> None:
-    weights, tensors, ctx.call = inputs
+    weights, tensors, ctx.call, rng_state, replay = inputs
+    # The dispatcher drops trailing arguments equal to their defaults, and the backward
+    # answers for the arguments it kept.
+    ctx.kept = 2 if replay else int(rng_state is not None)
     ctx.counts = (len(weights), len(tensors))
     ctx.differentiable = [t.requires_grad for t in tensors]
     ctx.save_for_backward(output[-1], *weights, *tensors)
@@ -332,7 +354,7 @@ def _backward(ctx, grads: list[Tensor | None]):
     weights, tensors = saved[: ctx.counts[0]], saved[ctx.counts[0] :]
     computed = block_backward(token, weights, tensors, list(grads[:-1]), ctx.call)
     by_tensor = computed[len(weights) :]
-    return computed[: len(weights)], [g if d else None for g, d in zip(by_tensor, ctx.differentiable)], None
+    return computed[: len(weights)], [g if d else None for g, d in zip(by_tensor, ctx.differentiable)], None, *[None] * ctx.kept
 
 
 block_forward.register_autograd(_backward, setup_context=_save)
@@ -345,8 +367,90 @@ torch.fx.node.has_side_effect(BLOCK_FORWARD)
 BLOCK_BACKWARD = torch.ops.fsdp_compile.block_backward.default
 
 
+def lower_block_calls_keeping_their_buffers() -> None:
+    """Inductor lowers ``block_forward`` as it lowers any custom op (an extern call, with the
+    op's layout constraint), and never reuses the buffers the call reads or returns.
+
+    The body's autograd graph keeps tensors of its own call (a Linear's input, a tanh's
+    output) until ``block_backward``; Inductor sees none of that, and once the step's graph
+    has read a buffer for the last time it writes another result into it (``buf8 = buf5;
+    del buf5  # reuse``, or in place: ``h + block(h)`` into the block's output). The body's
+    backward then reads that result: silently wrong gradients. The eager runner is not
+    affected (Python's reference counts keep the storage alive); Inductor's
+    ``never_reuse_buffers`` is its own way to keep a buffer out of reuse."""
+    from torch._inductor import graph, lowering
+    from torch._inductor.virtualized import V
+
+    if getattr(lowering.lowerings.get(BLOCK_FORWARD), "_mfsdp_keeps_buffers", False):
+        return
+    constraint = graph.tag_to_layout_constraint(graph.get_layout_constraint_tag(BLOCK_FORWARD, with_default=True))
+    lowering.make_fallback(BLOCK_FORWARD, layout_constraint=constraint, warn=False)
+    extern_call = lowering.lowerings[BLOCK_FORWARD]
+
+    def lowered(weights, tensors, *args, **kwargs):
+        outputs = extern_call(weights, tensors, *args, **kwargs)
+        kernel = outputs[-1].data.data.inputs[0]  # each output (the token last) is a MultiOutput of it
+        # Its inputs in argument order, each as the call reads it (a copy where the layout
+        # constraint made one). Not the gathered weights: the body lets go of those after the
+        # call, and the step frees them as planned.
+        read = kernel.inputs[len(weights) : len(weights) + len(tensors)]
+        for buffer in (*read, *(out.data.data for out in outputs)):
+            V.graph.never_reuse_buffers.add(buffer.get_name())
+        return outputs
+
+    lowered._mfsdp_keeps_buffers = True
+    lowering.lowerings[BLOCK_FORWARD] = lowered
+
+
 def _token_like(tensors: list[Tensor]) -> Tensor:
     return torch.empty(1, dtype=torch.uint8, device=tensors[0].device)
+
+
+# ---- random numbers: a recompute draws what its forward drew ----------------------------------
+
+
+def _generator_states(device: torch.device) -> list[Tensor]:
+    """The states ``torch.utils.checkpoint`` keeps for a region on ``device``: the CPU
+    generator's, then the device's own where it is an accelerator."""
+    states = [torch.get_rng_state()]
+    if device.type not in ("cpu", "meta"):
+        states.append(torch.get_device_module(device.type).get_rng_state(device))
+    return states
+
+
+@torch.library.custom_op(
+    # Seeded: two reads are two reads, never merged by common-subexpression elimination.
+    "fsdp_compile::rng_state", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def read_rng_state(like: Tensor) -> Tensor:
+    """The random generators' state now, for a block call on ``like``'s device: one byte
+    tensor on the host (see ``_generator_states``)."""
+    return torch.cat(_generator_states(like.device))
+
+
+@read_rng_state.register_fake
+def _(like) -> Tensor:
+    return torch.empty(sum(s.numel() for s in _generator_states(like.device)), dtype=torch.uint8)
+
+
+RNG_STATE = torch.ops.fsdp_compile.rng_state.default
+
+
+def _set_generator_states(states: list[Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.get_device_module(device.type).set_rng_state(states[1], device)
+
+
+@contextlib.contextmanager
+def _generators_at(state: Tensor, device: torch.device) -> Iterator[None]:
+    """The generators at ``state`` (read by ``rng_state``) inside, back where they were after."""
+    current = _generator_states(device)
+    _set_generator_states(list(state.split([s.numel() for s in current])), device)
+    try:
+        yield
+    finally:
+        _set_generator_states(current, device)
 
 
 # ---- running: the body as a frame of its own ----------------------------------------------

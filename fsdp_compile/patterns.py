@@ -31,7 +31,7 @@ from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_compile import bucket_copies as _bucket_copies  # noqa: F401  (registers its ops)
-from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD
+from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD, RNG_STATE
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
 from fsdp_compile.float8 import FLOAT8_CAST
 
@@ -112,6 +112,16 @@ def is_block_call(node: fx.Node) -> bool:
     """A repeated block's call (its forward or its backward; NOTE: one op per block call, in
     fsdp_compile/block_call.py)."""
     return _calls(node, BLOCK_FORWARD) or _calls(node, BLOCK_BACKWARD)
+
+
+def is_block_forward(node: fx.Node) -> bool:
+    return _calls(node, BLOCK_FORWARD)
+
+
+def is_rng_state(node: fx.Node) -> bool:
+    """A read of the random generators' state for a block call's recompute (passes
+    save_block_rng and replay_block_rng)."""
+    return _calls(node, RNG_STATE)
 
 
 def grad_mode_set(node: fx.Node) -> bool | None:

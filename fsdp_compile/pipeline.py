@@ -92,8 +92,10 @@ def build_pipeline(plan: Plan) -> Pipeline:
         Pass("constant_opaque_outputs", "joint", passes.constant_opaque_outputs, passes.check_constant_opaque_outputs),
         Pass("lower_collectives", "joint", passes.lower_collectives, passes.check_lower_collectives),
         Pass("reshard", "joint", passes.reshard, passes.check_reshard),
+        Pass("save_block_rng", "joint", passes.save_block_rng, passes.check_save_block_rng),
     ]
     partitioned = [
+        Pass("replay_block_rng", "partitioned", passes.replay_block_rng, passes.check_replay_block_rng),
         Pass("bucket_collectives", "partitioned", passes.bucket_collectives, passes.check_bucket_collectives),
         Pass("schedule_collectives", "partitioned", passes.schedule_collectives, passes.check_schedule_collectives),
         *([Pass("check_cuda_graph", "partitioned", passes.check_cuda_graph, rewrites=False)] if options.cuda_graph else []),

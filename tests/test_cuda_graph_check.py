@@ -120,6 +120,30 @@ def test_sharded_models_pass_the_check(cfg):
     assert len(backend.graphs) == 1
 
 
+class _CheckpointedDropout(torch.nn.Module):
+    """Blocks with dropout, each called through ``torch.utils.checkpoint``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1)) for _ in range(2)
+        )
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return h.sum()
+
+
+def test_a_checkpointed_block_that_drops_out_is_refused():
+    """Its recompute replays the forward's random state, which the step reads on the host
+    (see fsdp_compile/passes/save_block_rng.py): refused, with the fix."""
+    with fake_process_group(2), pytest.raises(CudaGraphIncompatible, match="random generators' state.*dropout") as error:
+        model = fully_shard(_CheckpointedDropout())
+        torch.compile(model, backend=MfsdpBackend(compiler="eager", cuda_graph=True))(torch.randn(4, 8)).backward()
+    assert "Fix: set the dropout of blocks that torch.utils.checkpoint wraps to 0" in str(error.value)
+
+
 class _SyncsOnTheHost(torch.nn.Module):
     """A sharded layer, then a host sync of the kind Dynamo breaks the graph on."""
 

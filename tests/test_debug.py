@@ -42,8 +42,9 @@ def test_dump_folder_holds_every_promised_file(tmp_path):
         "03_constant_opaque_outputs.py",
         "04_lower_collectives.py",
         "05_reshard.py",
-        "06_forward.py",
-        "07_backward.py",
+        "06_save_block_rng.py",
+        "07_forward.py",
+        "08_backward.py",
     ]
     # The repeated block's body, a frame of its own compiled once for all layers, has a folder
     # of its own beside the step's.

@@ -334,3 +334,110 @@ def test_a_gather_under_no_grad_is_not_reused_where_grad_flows(regional):
     reductions are real, so gradients compare with the unsharded model's."""
     (errors,) = spawn(_self_distilled_gradients, 1, regional=regional)
     assert max(errors.values()) < 1e-5, errors
+
+
+class _DroppingOut(nn.Module):
+    """Three blocks with dropout, each called through ``torch.utils.checkpoint`` when
+    ``checkpointed``, as HuggingFace's ``gradient_checkpointing_enable()`` calls its layers."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Tanh()) for _ in range(3))
+        self.checkpointed = checkpointed
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = h + (torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h))
+        return (h**2).sum()
+
+
+def _dropout_steps(model, step, x) -> tuple[list, float]:
+    """Two steps' losses and gradients from one seed, then the generator's next draw."""
+    torch.manual_seed(1)
+    steps = []
+    for _ in range(2):
+        loss = step(x)
+        loss.backward()
+        grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for name, p in model.named_parameters()}
+        steps.append((loss.item(), grads))
+        model.zero_grad()
+    return steps, torch.rand(1).item()
+
+
+def _checkpointed_dropout_errors(rank, world, *, compiler):
+    """The compiled regional step with checkpointed blocks against an expected run: the
+    unsharded model run eagerly with the eager runner; under Inductor, whose random numbers
+    are its own, the same compiled step with the blocks not checkpointed."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    if compiler == "eager":
+        expected_model = _DroppingOut(checkpointed=True)
+        expected = _dropout_steps(expected_model, expected_model, x)
+    else:
+        expected_model = fully_shard(_DroppingOut(checkpointed=False))
+        expected = _dropout_steps(expected_model, torch.compile(expected_model, backend=MfsdpBackend(compiler=compiler)), x)
+        torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fully_shard(_DroppingOut(checkpointed=True))
+    got = _dropout_steps(model, torch.compile(model, backend=MfsdpBackend(compiler=compiler)), x)
+    (expected_steps, expected_next), (got_steps, got_next) = expected, got
+    errors = [
+        max(abs(loss - expected_loss), *(relative_error(grads[n], expected_grads[n]) for n in grads))
+        for (loss, grads), (expected_loss, expected_grads) in zip(got_steps, expected_steps)
+    ]
+    return errors, got_next == expected_next
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_checkpointed_block_that_drops_out_recomputes_its_forwards_masks(compiler):
+    """A block called through ``torch.utils.checkpoint`` is recomputed in the backward, and
+    the step's graph sees it as one op: rerun from the generators as they are by then, its
+    dropout drew other masks than the forward's (gradients off by 100%, the loss unchanged).
+    The recompute replays the forward's random state and puts the generators back: both steps'
+    gradients and the generator's next draw are as expected. One gloo rank."""
+    ((errors, same_generator),) = spawn(_checkpointed_dropout_errors, 1, compiler=compiler)
+    assert max(errors) < 1e-6 and same_generator, (errors, same_generator)
+
+
+class _ReadsAroundItsBlocks(nn.Module):
+    """Blocks whose body keeps its output for its backward (tanh does), and a step that reads
+    a block's input and output around the call: the output's buffer is dead in the step's
+    graph after ``h + block(h)`` or ``block(h) * h``, and Inductor would write the sum or
+    product into it."""
+
+    def __init__(self, combine: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.combine = combine
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = h + block(h) if self.combine == "add" else block(h) * h
+        return (h**2).sum()
+
+
+def _inductor_gradient_errors(rank, world):
+    """Each parameter's gradient under Inductor against the unsharded model's, per model."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for combine in ("add", "multiply"):
+        torch.manual_seed(0)
+        reference = _ReadsAroundItsBlocks(combine)
+        reference(x).backward()
+        torch.manual_seed(0)
+        model = fully_shard(_ReadsAroundItsBlocks(combine))
+        torch.compile(model, backend=MfsdpBackend(compiler="inductor"))(x).backward()
+        expected = dict(reference.named_parameters())
+        errors[combine] = max(relative_error(p.grad.full_tensor(), expected[n].grad) for n, p in model.named_parameters())
+    return errors
+
+
+@pytest.mark.multirank
+def test_inductor_never_reuses_a_buffer_the_body_keeps_for_its_backward():
+    """The step's Inductor graph sees a block call as one extern op and reused its output's
+    buffer once it had read it (in place, ``buf8 = buf5; del buf5  # reuse``), while the
+    body's autograd graph still held it: gradients off by 166% and 25,000%, the loss right.
+    One gloo rank, gradients against the unsharded model."""
+    ((errors),) = spawn(_inductor_gradient_errors, 1)
+    assert max(errors.values()) < 1e-5, errors

@@ -3,9 +3,10 @@
 Order (see ``fsdp_compile.pipeline.build_pipeline``):
   Dynamo graph:  (check_graph_breaks, only with options["cuda_graph"])
                  -> dedupe_unshards -> check_rank_agreement
-  joint graph:   constant_opaque_outputs -> lower_collectives -> reshard
+  joint graph:   constant_opaque_outputs -> lower_collectives -> reshard -> save_block_rng
                  -> (min-cut partition)
-  partitioned:   bucket_collectives -> schedule_collectives (forward and backward)
+  partitioned:   replay_block_rng -> bucket_collectives -> schedule_collectives (forward
+                 and backward)
                  -> check_cuda_graph (only with options["cuda_graph"])
 """
 
@@ -19,7 +20,9 @@ from fsdp_compile.passes.constant_opaque_outputs import (
 )
 from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_unshards
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
+from fsdp_compile.passes.replay_block_rng import check_replay_block_rng, replay_block_rng
 from fsdp_compile.passes.reshard import check_reshard, reshard, saved_gathered_params
+from fsdp_compile.passes.save_block_rng import check_save_block_rng, save_block_rng
 from fsdp_compile.passes.schedule_collectives import (
     CollectiveGroup,
     GatherLifetime,
@@ -47,6 +50,10 @@ __all__ = [
     "reshard",
     "check_reshard",
     "saved_gathered_params",
+    "save_block_rng",
+    "check_save_block_rng",
+    "replay_block_rng",
+    "check_replay_block_rng",
     "bucket_collectives",
     "check_bucket_collectives",
     "schedule_collectives",

@@ -14,6 +14,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 
 from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.patterns import is_rng_state
 from fsdp_compile.plan import Plan
 
 aten = torch.ops.aten
@@ -43,6 +44,8 @@ FIXES = {
     "dynamic": "give the step static shapes: pad inputs to a fixed size, and compile with "
     "dynamic=False (torch.compile(..., dynamic=False))",
     "data_dependent": "make the size static (fixed capacity, padding) instead of data-dependent",
+    "rng": "set the dropout of blocks that torch.utils.checkpoint wraps to 0, or leave "
+    "cuda_graph off",
 }
 
 
@@ -103,6 +106,12 @@ def _findings(gm: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
             "dynamic",
         ),
         (
+            is_rng_state,
+            lambda n: "reads the random generators' state on the host, for the backward's "
+            "recompute of a checkpointed block that draws random numbers (dropout)",
+            "rng",
+        ),
+        (
             lambda n: _creates_host_tensor(n, device),
             lambda n: f"creates a CPU tensor inside a {device} step",
             "host",
@@ -119,9 +128,10 @@ def _findings(gm: fx.GraphModule) -> list[tuple[fx.Node, str, str]]:
 
 def check_cuda_graph(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards (when it returns) the graph has no host sync, no data-dependent or dynamic
-    shape, no CPU tensor created in an accelerator step, and no host-side storage free or
-    resize: it can be captured whole in a CUDA graph. Otherwise raises
-    ``CudaGraphIncompatible`` naming the first offending node and its source line.
+    shape, no CPU tensor created in an accelerator step, no read of the random generators'
+    state, and no host-side storage free or resize: it can be captured whole in a CUDA graph.
+    Otherwise raises ``CudaGraphIncompatible`` naming the first offending node and its source
+    line.
     """
     found = _findings(gm)
     if not found:
