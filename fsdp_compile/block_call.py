@@ -499,10 +499,12 @@ def _release(slots: list[Tensor]) -> None:
         slot.data = torch.empty(0, dtype=slot.dtype, device=slot.device)
 
 
-def _flat_outputs(call: BlockCall, output: Any) -> list[Tensor]:
+def _flat_outputs(call: BlockCall, output: Any, inputs: list[Tensor]) -> list[Tensor]:
     """The body's tensor outputs as the step's graph was traced to take them: same shapes and
     same constants beside them (an error otherwise) and, copied where the compiled body chose
-    others, same strides."""
+    others, same strides. Copied too where one shares storage with the call's ``inputs`` or
+    an earlier output (a block that passes a tensor through, or returns two chunks of one):
+    an op's results must not alias its arguments or each other, which torch checks."""
     if _form(output) != call.traced["form"]:
         # The step's graph holds the constants the block returned while it was traced, and
         # its guards do not see what they came from (the body's own frame does).
@@ -524,16 +526,28 @@ def _flat_outputs(call: BlockCall, output: Any) -> list[Tensor]:
             f"expects {expected}: this layer differs from the one its body was traced for in "
             "something its outputs depend on. Compile with options={'regional': False}."
         )
-    return [_strided_as(t, e[1]) for t, e in zip(flat, expected)]
+    taken = {_storage(t) for t in inputs}
+    fresh = []
+    for tensor, (_, stride, *_) in zip(flat, expected):
+        fresh.append(_strided_as(tensor, stride, copy=_storage(tensor) in taken))
+        taken.add(_storage(fresh[-1]))
+    return fresh
 
 
 def _agrees(traced: Any, real: int) -> bool:
     return isinstance(traced, torch.SymInt) or traced == real
 
 
-def _strided_as(tensor: Tensor, stride: tuple) -> Tensor:
-    if any(isinstance(s, torch.SymInt) for s in stride) or tensor.stride() == stride or tensor.numel() <= 1:
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _strided_as(tensor: Tensor, stride: tuple, copy: bool) -> Tensor:
+    symbolic = any(isinstance(s, torch.SymInt) for s in stride)
+    if not copy and (symbolic or tensor.stride() == stride or tensor.numel() <= 1):
         return tensor
+    if symbolic:
+        return tensor.clone()
     return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
@@ -544,12 +558,12 @@ def _run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) 
     if not call.train:
         with torch.no_grad():
             output = frame(block, call.layout, call.recipe, *weights, *call.leaves(tensors))
-        return [*(t.detach() for t in _flat_outputs(call, output)), token]
+        return [*(t.detach() for t in _flat_outputs(call, output, [*weights, *tensors])), token]
     slots = [_slot(w) for w in weights]
     inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
     with _autograd_inside():
         output = frame(block, call.layout, call.recipe, *slots, *call.leaves(inputs))
-        outputs = _flat_outputs(call, output)
+        outputs = _flat_outputs(call, output, [*weights, *tensors])
     _release(slots)
     _keep(token, (outputs, slots, inputs))
     return [*(t.detach() for t in outputs), token]

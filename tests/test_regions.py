@@ -441,3 +441,78 @@ def test_inductor_never_reuses_a_buffer_the_body_keeps_for_its_backward():
     One gloo rank, gradients against the unsharded model."""
     ((errors),) = spawn(_inductor_gradient_errors, 1)
     assert max(errors.values()) < 1e-5, errors
+
+
+class _PassesThrough(nn.Module):
+    """Returns a tensor it was called with beside its result, as blocks chained in an
+    ``nn.Sequential`` pass what the next one needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, h, scale):
+        return torch.tanh(self.linear(h)) * scale, scale
+
+
+class _Chunks(nn.Module):
+    """Returns two halves of one tensor: two results that share their storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 32)
+
+    def forward(self, h):
+        first, second = torch.tanh(self.linear(h)).chunk(2, dim=-1)
+        return first, second
+
+
+class _ReturnsAliases(nn.Module):
+    def __init__(self, block: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_PassesThrough() if block == "passes_through" else _Chunks() for _ in range(3))
+
+    def forward(self, h):
+        scale = h.sum(-1, keepdim=True).sigmoid()
+        for block in self.blocks:
+            if isinstance(block, _PassesThrough):
+                out, scale = block(h, scale)
+                h = out + scale * h
+            else:
+                first, second = block(h)
+                h = first * 2 + second * h
+        return (h**2).sum()
+
+
+def _aliasing_gradient_errors(rank, world, *, compiler):
+    """Per block kind, the worst error of the loss, every parameter's gradient and the
+    input's against the unsharded model."""
+    errors = {}
+    for block in ("passes_through", "chunks"):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(0)
+        reference, x_expected = _ReturnsAliases(block), x.clone().requires_grad_()
+        expected_loss = reference(x_expected)
+        expected_loss.backward()
+        torch.manual_seed(0)
+        model, x_got = fully_shard(_ReturnsAliases(block)), x.clone().requires_grad_()
+        loss = torch.compile(model, backend=MfsdpBackend(compiler=compiler))(x_got)
+        loss.backward()
+        expected = dict(reference.named_parameters())
+        errors[block] = max(
+            relative_error(loss, expected_loss),
+            relative_error(x_got.grad, x_expected.grad),
+            *(relative_error(p.grad.full_tensor(), expected[n].grad) for n, p in model.named_parameters()),
+        )
+    return errors
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_block_may_return_a_tensor_it_was_called_with_or_two_views_of_one(compiler):
+    """An op's results may not alias its arguments or each other (torch checks it at every
+    call): a block that passed a tensor through, or returned two chunks of one, failed its
+    first call with torch's error about ``block_forward``. The call now copies such a result.
+    One gloo rank, against the unsharded model."""
+    ((errors),) = spawn(_aliasing_gradient_errors, 1, compiler=compiler)
+    assert max(errors.values()) < 1e-5, errors
