@@ -504,7 +504,7 @@ def _flat_outputs(call: BlockCall, output: Any, inputs: list[Tensor]) -> list[Te
     same constants beside them (an error otherwise) and, copied where the compiled body chose
     others, same strides. Copied too where one shares storage with the call's ``inputs`` or
     an earlier output (a block that passes a tensor through, or returns two chunks of one):
-    an op's results must not alias its arguments or each other, which torch checks."""
+    see ``_unaliased``."""
     if _form(output) != call.traced["form"]:
         # The step's graph holds the constants the block returned while it was traced, and
         # its guards do not see what they came from (the body's own frame does).
@@ -526,29 +526,44 @@ def _flat_outputs(call: BlockCall, output: Any, inputs: list[Tensor]) -> list[Te
             f"expects {expected}: this layer differs from the one its body was traced for in "
             "something its outputs depend on. Compile with options={'regional': False}."
         )
-    taken = {_storage(t) for t in inputs}
-    fresh = []
-    for tensor, (_, stride, *_) in zip(flat, expected):
-        fresh.append(_strided_as(tensor, stride, copy=_storage(tensor) in taken))
-        taken.add(_storage(fresh[-1]))
-    return fresh
+    strides = [stride for _, stride, *_ in expected]
+    strided = [_strided_as(t, stride) for t, stride in zip(flat, strides)]
+    return _unaliased(strided, inputs, lambda i, t: _copy_strided(t, strides[i]))
 
 
 def _agrees(traced: Any, real: int) -> bool:
     return isinstance(traced, torch.SymInt) or traced == real
 
 
-def _storage(tensor: Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
-def _strided_as(tensor: Tensor, stride: tuple, copy: bool) -> Tensor:
-    symbolic = any(isinstance(s, torch.SymInt) for s in stride)
-    if not copy and (symbolic or tensor.stride() == stride or tensor.numel() <= 1):
+def _strided_as(tensor: Tensor, stride: tuple) -> Tensor:
+    if any(isinstance(s, torch.SymInt) for s in stride) or tensor.stride() == stride or tensor.numel() <= 1:
         return tensor
-    if symbolic:
+    return _copy_strided(tensor, stride)
+
+
+def _copy_strided(tensor: Tensor, stride: tuple) -> Tensor:
+    if any(isinstance(s, torch.SymInt) for s in stride):
         return tensor.clone()
     return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
+def _unaliased(results: list[Tensor], arguments: list[Tensor], copy: Callable[[int, Tensor], Tensor]) -> list[Tensor]:
+    """``results``, each that shares storage with one of ``arguments`` or with an earlier
+    result replaced by ``copy(index, result)``. A custom op's results may not alias its
+    arguments or each other (torch checks it at every call, Inductor plans buffers on it),
+    and a body's may: a block that passes a tensor through or returns two chunks of one, a
+    gradient autograd hands back as it came (the tensor a block passed through, or both
+    terms of a sum)."""
+    taken = {_storage(t) for t in arguments}
+    fresh = []
+    for index, result in enumerate(results):
+        fresh.append(copy(index, result) if _storage(result) in taken else result)
+        taken.add(_storage(fresh[-1]))
+    return fresh
+
+
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def _run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
@@ -586,5 +601,8 @@ def _run_backward(
             )
     _release(slots)
     by_leaf = {id(leaf): grad for leaf, grad in zip(differentiable, computed)}
+    likes = [*weights, *tensors]
     found = [by_leaf.get(id(leaf)) for leaf in leaves]
-    return [g if g is not None else torch.zeros_like(like) for g, like in zip(found, (*weights, *tensors))]
+    found = [g if g is not None else torch.zeros_like(like) for g, like in zip(found, likes)]
+    arguments = [token, *weights, *tensors, *(g for g in grads if g is not None)]
+    return _unaliased(found, arguments, lambda i, g: torch.empty_like(likes[i]).copy_(g))

@@ -445,14 +445,17 @@ def test_inductor_never_reuses_a_buffer_the_body_keeps_for_its_backward():
 
 class _PassesThrough(nn.Module):
     """Returns a tensor it was called with beside its result, as blocks chained in an
-    ``nn.Sequential`` pass what the next one needs."""
+    ``nn.Sequential`` pass what the next one needs; ``reads`` says whether it also uses it
+    (if not, autograd hands its gradient back as it came)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reads: bool) -> None:
         super().__init__()
         self.linear = nn.Linear(16, 16)
+        self.reads = reads
 
     def forward(self, h, scale):
-        return torch.tanh(self.linear(h)) * scale, scale
+        out = torch.tanh(self.linear(h))
+        return (out * scale if self.reads else out), scale
 
 
 class _Chunks(nn.Module):
@@ -467,20 +470,42 @@ class _Chunks(nn.Module):
         return first, second
 
 
+class _Sums(nn.Module):
+    """Returns the sum of its two inputs and a bias: autograd hands both inputs the same
+    gradient tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, h, other):
+        return h + other + self.bias
+
+
+_ALIASING_BLOCKS = {
+    "passes_through": lambda: _PassesThrough(reads=True),
+    "passes_through_unread": lambda: _PassesThrough(reads=False),
+    "chunks": _Chunks,
+    "sums": _Sums,
+}
+
+
 class _ReturnsAliases(nn.Module):
     def __init__(self, block: str) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_PassesThrough() if block == "passes_through" else _Chunks() for _ in range(3))
+        self.blocks = nn.ModuleList(_ALIASING_BLOCKS[block]() for _ in range(3))
 
     def forward(self, h):
         scale = h.sum(-1, keepdim=True).sigmoid()
         for block in self.blocks:
             if isinstance(block, _PassesThrough):
                 out, scale = block(h, scale)
-                h = out + scale * h
-            else:
+                h = out * scale + h
+            elif isinstance(block, _Chunks):
                 first, second = block(h)
                 h = first * 2 + second * h
+            else:
+                h = torch.tanh(block(h, scale * 2))
         return (h**2).sum()
 
 
@@ -488,7 +513,7 @@ def _aliasing_gradient_errors(rank, world, *, compiler):
     """Per block kind, the worst error of the loss, every parameter's gradient and the
     input's against the unsharded model."""
     errors = {}
-    for block in ("passes_through", "chunks"):
+    for block in _ALIASING_BLOCKS:
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
         torch.manual_seed(0)
         reference, x_expected = _ReturnsAliases(block), x.clone().requires_grad_()
@@ -509,10 +534,12 @@ def _aliasing_gradient_errors(rank, world, *, compiler):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_a_block_may_return_a_tensor_it_was_called_with_or_two_views_of_one(compiler):
+def test_a_block_call_never_returns_an_alias_of_its_arguments_or_results(compiler):
     """An op's results may not alias its arguments or each other (torch checks it at every
     call): a block that passed a tensor through, or returned two chunks of one, failed its
-    first call with torch's error about ``block_forward``. The call now copies such a result.
+    first call with torch's error about ``block_forward``, and one whose backward autograd
+    answers with a gradient as it came (a tensor passed through unread, both terms of a sum)
+    failed its backward with the error about ``block_backward``. Such a result is now copied.
     One gloo rank, against the unsharded model."""
     ((errors),) = spawn(_aliasing_gradient_errors, 1, compiler=compiler)
     assert max(errors.values()) < 1e-5, errors
