@@ -216,8 +216,11 @@ def _leaving_no_trace(block: nn.Module, fake_mode: Any) -> Iterator[None]:
       tensor, a buffer registered anew, an entry in a list of statistics) is put back: a
       fake tensor left in a cache would meet the real ones at the next call, and a cache's
       recorded length would skip the real computation.
+    - What it keeps there that autograd differentiates (``self.aux_loss = ...``, a list of
+      losses) is refused: a gradient reaching the body from outside ``block_backward``
+      would find its weights let go of after the call.
     """
-    states = [(module.__dict__, _attributes(module)) for module in block.modules()]
+    states = [(prefix, module.__dict__, _attributes(module)) for prefix, module in block.named_modules()]
     fakes = {} if fake_mode is None else {  # no fake mode: meta tensors, the simulator's step
         name: fake_mode.from_tensor(b, static_shapes=True) for name, b in block.named_buffers(remove_duplicate=False)
     }
@@ -227,10 +230,19 @@ def _leaving_no_trace(block: nn.Module, fake_mode: Any) -> Iterator[None]:
     try:
         with _reparametrize_module(block, fakes):
             yield
+        kept = [f"{prefix}.{name}".lstrip(".") for prefix, attributes, saved in states for name in _differentiable_news(attributes, saved)]
     finally:
         tls.allow_non_fake_inputs_override = before
-        for attributes, saved in states:
+        for _, attributes, saved in states:
             _put_back(attributes, saved)
+    if kept:
+        raise CompileUsageError(
+            f"a repeated block ({type(block).__name__}) keeps a tensor that requires grad in "
+            f"{', '.join(kept)} during its forward: its body is compiled on its own, and a "
+            "gradient can reach it only through what it returns. Return the tensor from "
+            "forward (an auxiliary loss as an output), or compile with "
+            "options={'regional': False}."
+        )
 
 
 def _attributes(module: nn.Module) -> dict[str, tuple[Any, Any]]:
@@ -238,6 +250,21 @@ def _attributes(module: nn.Module) -> dict[str, tuple[Any, Any]]:
     set (``_parameters``, ``_buffers``, ``_modules``, hooks, a list of statistics), which a
     forward may change in place."""
     return {name: (value, _contents(value)) for name, value in vars(module).items()}
+
+
+def _differentiable_news(attributes: dict, saved: dict[str, tuple[Any, Any]]) -> Iterator[str]:
+    """The attributes the forward set, or added to, with a tensor autograd differentiates."""
+    for name, value in attributes.items():
+        before, contents = saved.get(name, (None, None))
+        if value is not before:
+            new = [value]
+        elif contents is not None:
+            known = {id(v) for v in (contents.values() if isinstance(contents, dict) else contents)}
+            new = [v for v in (value.values() if isinstance(value, dict) else value) if id(v) not in known]
+        else:
+            new = []
+        if any(isinstance(v, Tensor) and v.grad_fn is not None for v in new):
+            yield name
 
 
 def _contents(value: Any) -> Any:

@@ -543,3 +543,41 @@ def test_a_block_call_never_returns_an_alias_of_its_arguments_or_results(compile
     One gloo rank, against the unsharded model."""
     ((errors),) = spawn(_aliasing_gradient_errors, 1, compiler=compiler)
     assert max(errors.values()) < 1e-5, errors
+
+
+class _KeepsItsAuxLoss(nn.Module):
+    """Stores an auxiliary loss on the module for the model to add (as some MoE routers do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, h):
+        out = torch.tanh(self.linear(h))
+        self.aux_loss = (out**2).mean()
+        return out + h
+
+
+class _AddsAuxLosses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_KeepsItsAuxLoss() for _ in range(3))
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = block(h)
+        return h.sum() + sum(block.aux_loss for block in self.blocks)
+
+
+@pytest.mark.structure
+def test_a_block_that_keeps_a_differentiable_tensor_is_refused_with_the_fix():
+    """A gradient reaching a body other than through ``block_backward`` finds its weights let
+    go of: the backward failed inside the body's compiled graph (``split_with_sizes expects
+    split_sizes to sum exactly to 0``). The fake run refuses it while the step is traced,
+    before any collective, naming the attribute and the fix, and leaves the block as it was."""
+    with fake_process_group(2):
+        model = fully_shard(_AddsAuxLosses())
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        with pytest.raises(RuntimeError, match=r"keeps a tensor that requires grad in aux_loss.*regional': False"):
+            step(torch.randn(4, 8))
+    assert not any(hasattr(block, "aux_loss") for block in model.blocks)
