@@ -614,7 +614,10 @@ def _run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) 
 def _run_backward(
     call: BlockCall, token: Tensor, weights: list[Tensor], tensors: list[Tensor], grads: list[Tensor | None]
 ) -> list[Tensor]:
-    _, outputs, slots, inputs = _PENDING.pop(token.data_ptr())
+    # backward(retain_graph=True) differentiates the step again later: the body's autograd
+    # graph stays for it, as the step's does.
+    retained = torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
+    _, outputs, slots, inputs = _PENDING[token.data_ptr()] if retained else _PENDING.pop(token.data_ptr())
     for slot, weight in zip(slots, weights):
         slot.data = weight
     leaves = [*slots, *inputs]
@@ -624,7 +627,7 @@ def _run_backward(
     if pairs:
         with _autograd_inside():
             computed = torch.autograd.grad(
-                [o for o, _ in pairs], differentiable, [g for _, g in pairs], allow_unused=True
+                [o for o, _ in pairs], differentiable, [g for _, g in pairs], allow_unused=True, retain_graph=retained
             )
     _release(slots)
     by_leaf = {id(leaf): grad for leaf, grad in zip(differentiable, computed)}

@@ -581,3 +581,42 @@ def test_a_block_that_keeps_a_differentiable_tensor_is_refused_with_the_fix():
         with pytest.raises(RuntimeError, match=r"keeps a tensor that requires grad in aux_loss.*regional': False"):
             step(torch.randn(4, 8))
     assert not any(hasattr(block, "aux_loss") for block in model.blocks)
+
+
+class _TwoLosses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = h + block(h)
+        return h
+
+
+def _retained_graph_errors(rank, world):
+    """Two backwards through one forward, the first with ``retain_graph=True``: the worst
+    gradient error against the unsharded model, and the bodies' graphs still waiting after."""
+    from fsdp_compile.block_call import _PENDING
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    reference = _TwoLosses()
+    torch.manual_seed(0)
+    model = fully_shard(_TwoLosses())
+    for forward in (reference, torch.compile(model, backend=MfsdpBackend(compiler="eager"))):
+        h = forward(x)
+        (h**2).sum().backward(retain_graph=True)
+        h.abs().sum().backward()
+    expected = dict(reference.named_parameters())
+    error = max(relative_error(p.grad.full_tensor(), expected[n].grad) for n, p in model.named_parameters())
+    return error, len(_PENDING)
+
+
+@pytest.mark.multirank
+def test_a_step_differentiated_twice_with_retain_graph_matches_eager():
+    """``backward(retain_graph=True)`` keeps the step's graph for a second backward; the
+    first took the bodies' graphs with it (a bare ``KeyError`` in ``block_backward``). They
+    now stay while the backward retains, and go with the last one. One gloo rank."""
+    ((error, pending),) = spawn(_retained_graph_errors, 1)
+    assert error < 1e-6 and pending == 0, (error, pending)
