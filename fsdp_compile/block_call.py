@@ -196,7 +196,15 @@ def _fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> 
     outputs = _outputs_of_this_compile()
     if key not in outputs:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
-        with fake_mode or contextlib.nullcontext(), _leaving_no_trace(call.block(), fake_mode):
+        # The backward runs on this thread, as in AOTAutograd's own trace: this is a fake
+        # kernel, inside the fake mode's dispatch, and autograd's CUDA worker thread has none
+        # of the Python dispatcher's state for it (torch 2.11 on an H100: an internal assert
+        # in PythonFallbackKernel.cpp on the first block call).
+        with (
+            fake_mode or contextlib.nullcontext(),
+            _leaving_no_trace(call.block(), fake_mode),
+            torch.autograd.set_multithreading_enabled(False),
+        ):
             outputs[key] = _run_on_fakes(call, weights, tensors)
     return outputs[key]
 

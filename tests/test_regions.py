@@ -620,3 +620,25 @@ def test_a_step_differentiated_twice_with_retain_graph_matches_eager():
     now stay while the backward retains, and go with the last one. One gloo rank."""
     ((error, pending),) = spawn(_retained_graph_errors, 1)
     assert error < 1e-6 and pending == 0, (error, pending)
+
+
+@pytest.mark.structure
+def test_a_blocks_fake_run_differentiates_on_the_tracing_thread(monkeypatch):
+    """The fake run is a fake kernel, inside the fake mode's dispatch, and differentiates the
+    block there. With autograd's worker threads on, a CUDA backward ran on the device's thread,
+    which has none of the Python dispatcher's state: every regional step failed on an H100
+    (torch 2.11) with an internal assert in ``PythonFallbackKernel.cpp`` at its first block
+    call. On the CPU autograd never leaves the calling thread, so this checks the switch
+    AOTAutograd's own trace uses; the GPU tier (``test_capture.py``) runs the real thing."""
+    from fsdp_compile import block_call
+
+    seen, run_on_fakes = [], block_call._run_on_fakes
+
+    def recording(*args, **kwargs):
+        seen.append(torch._C._is_multithreading_enabled())
+        return run_on_fakes(*args, **kwargs)
+
+    monkeypatch.setattr(block_call, "_run_on_fakes", recording)
+    _compiled_step()
+    assert seen and not any(seen), seen
+    assert torch._C._is_multithreading_enabled()
