@@ -483,21 +483,35 @@ def float8_model(cfg: TransformerConfig = FLOAT8_CFG, seed: int = 0, filtered: b
     return convert_to_float8_training(build_model(cfg, seed), config=config, module_filter_fn=fits)
 
 
-def per_rank_reference(model, cfg: TransformerConfig, world: int, steps: int = STEPS, micro_batches: int = 1):
+def per_rank_reference(
+    model, cfg: TransformerConfig, world: int, steps: int = STEPS, micro_batches: int = 1,
+    rank_seeds: list[int] | None = None,
+):
     """``model`` (unsharded) trained on each rank's batches in turn, summing the gradients of
     loss / (world * micro_batches): what a data-parallel job computes when each rank's
     activations are cast on their own (float8 scales them by their own amax). Returns (mean
-    losses, {name: parameter, a float8 weight's fp32 master}), as ``reference``."""
+    losses, {name: parameter, a float8 weight's fp32 master}), as ``reference``.
+
+    With ``rank_seeds``, each rank's batches draw their random numbers (dropout masks) from
+    that rank's own stream, seeded ``rank_seeds[rank]`` before the first step and carried
+    across steps, as each rank's process draws from its own generator; the process's own
+    generator is left as it was."""
+    streams = None if rank_seeds is None else [torch.Generator().manual_seed(s).get_state() for s in rank_seeds]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
         total = torch.zeros(())
         for rank in range(world):
-            for micro in range(micro_batches):
-                tokens, targets = make_batch(cfg, LOCAL_BATCH, SEQ, step * micro_batches + micro, rank)
-                loss = loss_fn(model(tokens), targets) / (world * micro_batches)
-                loss.backward()
-                total += loss.detach()
+            with torch.random.fork_rng(enabled=streams is not None, devices=[]):
+                if streams is not None:
+                    torch.set_rng_state(streams[rank])
+                for micro in range(micro_batches):
+                    tokens, targets = make_batch(cfg, LOCAL_BATCH, SEQ, step * micro_batches + micro, rank)
+                    loss = loss_fn(model(tokens), targets) / (world * micro_batches)
+                    loss.backward()
+                    total += loss.detach()
+                if streams is not None:
+                    streams[rank] = torch.get_rng_state()
         opt.step()
         opt.zero_grad()
         losses.append(total)

@@ -99,13 +99,6 @@ def _parity_run(rank, world, *, modes, mesh_shape=None, **shard_options):
     return results
 
 
-FOUR_RANK_TOLERANCE = 5e-4
-"""On 4 ranks gloo sums the gradients in another order than the reference: the fp32 masters
-differ in their last bits, and a weight element near a float8 rounding boundary then rounds
-the other way in the next step's cast (one e4m3 step is 6 to 12% of the value), which AdamW
-carries on. Measured: 8e-5 on the parameters, 0 on the losses, after 5 steps."""
-
-
 def _assert_parity(results, bitwise_modes=(), bound=TOLERANCE, rounding_modes=()):
     """Every mode's first gradients and losses within ``bound`` of the reference (``0`` for
     ``bitwise_modes``). For ``rounding_modes`` only the first step is held to ``bound`` and
@@ -147,8 +140,14 @@ def test_float8_under_every_gathering_strategy(strategy):
 
 @pytest.mark.multirank
 def test_float8_on_4_ranks_and_hsdp():
-    _assert_parity(spawn(_parity_run, 4, modes=("eager",)), bound=FOUR_RANK_TOLERANCE)
-    _assert_parity(spawn(_parity_run, 4, modes=("eager",), mesh_shape=(2, 2)), bound=FOUR_RANK_TOLERANCE)
+    """Flat and HSDP. On 4 ranks gloo sums the gradients in another order than the reference:
+    the first step's gradients agree to TOLERANCE (seen: 7.9e-8), and after that the masters'
+    last bits differ, so a weight element near a float8 rounding boundary may round the other
+    way in a later cast (``ROUNDING_FLIP_BOUND``). Seen after five steps: 8e-5 on a 2-core AMD EPYC,
+    3.0e-3 on an Intel Xeon. The matrix (tests/test_matrix.py, ``float8``) holds every 4-rank
+    layout's five steps tight against its own uncompiled markers, which sum in the same order."""
+    _assert_parity(spawn(_parity_run, 4, modes=("eager",)), rounding_modes=("eager",))
+    _assert_parity(spawn(_parity_run, 4, modes=("eager",), mesh_shape=(2, 2)), rounding_modes=("eager",))
 
 
 def _accumulation_run(rank, world):

@@ -4,7 +4,7 @@ Layouts: the four strategies on a 1-D mesh of 2 ranks, the three sharded ones on
 mesh, and expert parallelism EP 2 x edp 2 with and without efsdp (4 ranks). APIs: training
 to parity, debug dumps, ``explain``, the bench's collective census, gradient accumulation,
 both clip functions, full and sharded state dicts, DCP save/load, meta-device init,
-activation checkpointing, the ``cuda_graph`` check and float8 (torchao) weights. Each pair is one test: it fails if the
+activation checkpointing (with dropout), the ``cuda_graph`` check and float8 (torchao) weights. Each pair is one test: it fails if the
 API raises on that layout or its result is wrong. The bug class this catches: code written for
 one strategy (a reader that took every collective for a gather or a reduce-scatter crashed
 the dumps and ``explain`` for ``no_shard``, ``optim`` and HSDP; Megatron-FSDP's ``no_shard``
@@ -63,6 +63,8 @@ from harness import (
 STEPS = 3
 MAX_NORM = 0.05
 """Below the test models' gradient norms, so clipping scales every step."""
+DROPOUT_SEED = 7
+"""Rank r's random stream in the dropout checks starts from ``DROPOUT_SEED + r``."""
 DENSE = TransformerConfig()
 MOE = moe_config(fused=True)
 
@@ -252,9 +254,22 @@ def _meta_init(ctx: RankContext) -> dict:
 
 
 def _activation_checkpointing(ctx: RankContext) -> dict:
-    cfg = TransformerConfig(**{**ctx.layout.cfg.__dict__, "checkpoint_blocks": True})
+    """Every block under ``torch.utils.checkpoint``, with dropout: the backward recomputes each
+    block from the random state its forward drew its masks from. Against the unsharded model
+    run on each rank's batch from that rank's random stream (``torch.utils.checkpoint``
+    replays it there)."""
+    cfg = replace(ctx.layout.cfg, checkpoint_blocks=True, dropout=0.1)
+    seeds = [DROPOUT_SEED + rank for rank in range(ctx.world)]
+    ref_losses, ref_params = per_rank_reference(build_model(cfg), cfg, ctx.world, steps=STEPS, rank_seeds=seeds)
     model = ctx.shard(build_model(cfg))
-    return ctx.parity(cfg, model, ctx.compiled(model)[0])
+    forward = ctx.compiled(model)[0]
+    torch.manual_seed(seeds[ctx.rank])
+    losses = mean_over_ranks(train(model, forward, rank_batches(cfg, ctx.rank), steps=STEPS))
+    params = full_parameters(model)
+    return {
+        "loss_error": relative_error(losses, ref_losses),
+        "param_error": max_param_error(params, {n: ref_params[n] for n in params}),
+    }
 
 
 def _cuda_graph_check(ctx: RankContext) -> dict:

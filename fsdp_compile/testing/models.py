@@ -36,6 +36,8 @@ class TransformerConfig:
     """Insert ``torch._dynamo.graph_break()`` after this block (tests graph breaks)."""
     checkpoint_blocks: bool = False
     """Run each block under ``torch.utils.checkpoint`` (activation checkpointing)."""
+    dropout: float = 0.0
+    """Dropout on each block's two residual branches while training (0: none, and no draw)."""
     n_experts: int = 0
     """0: dense SwiGLU MLPs; otherwise each block's MLP is a mixture of this many experts."""
     top_k: int = 2
@@ -219,10 +221,14 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim)
         self.mlp = MoE(cfg) if cfg.n_experts else SwiGLU(cfg)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self._drop(self.attn(self.attn_norm(x)))
+        return x + self._drop(self.mlp(self.mlp_norm(x)))
+
+    def _drop(self, branch: torch.Tensor) -> torch.Tensor:
+        return F.dropout(branch, self.dropout, self.training) if self.dropout else branch
 
 
 class Transformer(nn.Module):
