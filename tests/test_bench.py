@@ -176,3 +176,21 @@ def test_compile_time_benchmark_measures_each_mode(tmp_path):
         assert 0 <= row["gc_s"] < row["first_step_s"], row
     assert rows["regional"]["passes_s"] > 0 and rows["regional"]["partitioner_s"] > 0
     assert rows["torch-regional"]["passes_s"] == rows["fsdp2-compile"]["passes_s"] == 0
+
+
+@pytest.mark.structure
+def test_kernel_census_sums_each_kernel_and_ranks_them():
+    """The GPU-only kernel line, on a stand-in for the profiler: device kernels summed by
+    name and ranked, host events left out, the profiled step's wall time kept beside them."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from fsdp_compile.bench.comms import kernel_census
+
+    def event(name, us, device_type=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device_type, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [event("gemm", 3000), event("aten::mm", 9000, DeviceType.CPU), event("softmax", 500), event("gemm", 2000)]
+    census = kernel_census(SimpleNamespace(events=lambda: events), step_ms=12.0, top=1)
+    assert census == {"step_ms": 12.0, "kernel_ms": 5.5, "launches": 3, "top": {"gemm": [5.0, 2]}}

@@ -1,4 +1,4 @@
-"""Collectives per training step, counted two ways.
+"""What one training step runs: its collectives, counted two ways, and its device kernels.
 
 - ``graph_census``: from the forward and backward graphs the ``mfsdp`` backend compiled (what a
   compiled step launches, by construction). Bytes are the full-size tensors
@@ -10,6 +10,8 @@
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; functional collectives reach the same
   c10d ops, so a compiled step can be checked against its graphs. A replayed CUDA graph
   dispatches nothing and shows no collectives.
+- ``kernel_census``: on a GPU, the same profiled step's kernels (CUDA activity), so a step
+  time can be split into device time and host time, and two modes compared by kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
+from torch.autograd import DeviceType
 from torch.profiler import profile
 
 from fsdp_compile.backend import CompiledGraph
@@ -103,6 +106,26 @@ def profiled_census(prof: profile) -> dict:
         else:
             census[bytes_key] += size
     return census
+
+
+def kernel_census(prof: profile, step_ms: float, top: int = 12) -> dict:
+    """The device kernels of the profiled step: their summed time against the step's wall
+    time (well below it: the step waits on the host, launches or syncs), and the ``top``
+    names by summed time, each ``[ms, launches]``. Kernels on two streams at once count
+    twice; the fake process group launches no communication kernel."""
+    by_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            entry = by_name.setdefault(event.name, [0.0, 0])
+            entry[0] += event.time_range.elapsed_us() / 1e3
+            entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])
+    return {
+        "step_ms": step_ms,
+        "kernel_ms": sum(ms for ms, _ in by_name.values()),
+        "launches": sum(n for _, n in by_name.values()),
+        "top": {name: [ms, n] for name, (ms, n) in ranked[:top]},
+    }
 
 
 def _event_bytes(event, arg: int | None) -> int | None:

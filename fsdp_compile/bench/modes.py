@@ -66,7 +66,7 @@ except ImportError as missing:
     raise ImportError("mfsdp-bench needs its extra: pip install 'fsdp_compile[bench]'") from missing
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, capture_step, fully_shard
-from fsdp_compile.bench.comms import graph_census, issued_census, profiled_census
+from fsdp_compile.bench.comms import graph_census, issued_census, kernel_census, profiled_census
 from fsdp_compile.bench.emulated_link import EmulatedLinkGroup
 from fsdp_compile.bench.memory import PeakMemory
 from fsdp_compile.bench.presets import PRESETS, HFPreset, blocks, build, materialize, train_flops
@@ -257,9 +257,12 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
     link = dist.distributed_c10d._get_default_group()
     emulated = isinstance(link, EmulatedLinkGroup)
     issued_before = len(link.issued) if emulated else 0
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+    with profile(activities=activities, record_shapes=True) as prof:
+        profiled_start = time.perf_counter()
         step(*batches[1])
         _sync(device)
+        profiled_ms = 1e3 * (time.perf_counter() - profiled_start)
     profiled = issued_census(link.issued[issued_before:]) if emulated else profiled_census(prof)
 
     memory.warmup_done()
@@ -289,6 +292,7 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
         ),
         "model_tflops_per_step": train_flops(PRESETS[run.preset], run.batch, run.seq) / 1e12,
         "profiled_collectives": profiled,
+        "profiled_kernels": kernel_census(prof, profiled_ms) if device.type == "cuda" else None,
     }
     # A graph loaded from the compile cache was never compiled here: nothing to count in it.
     compiled_here = backend is not None and all(g.compiled for g in backend.all_graphs())

@@ -143,6 +143,12 @@ def print_report(document: dict) -> None:
         print(f"peak memory: {results[0]['memory_measure']} (largest over ranks)")
     for r in results:
         print(f"collectives of {r['mode']}: {r['collectives']['counted_by']}")
+        kernels = r.get("profiled_kernels")
+        if kernels:
+            print(
+                f"kernels of {r['mode']} (profiled step): {kernels['kernel_ms']:.1f} ms in "
+                f"{kernels['launches']} launches, step {kernels['step_ms']:.1f} ms under the profiler"
+            )
     for r in results:
         caches = r["compile_cache"]
         if caches["folder"]:
