@@ -153,6 +153,7 @@ def test_float8_on_4_ranks_and_hsdp():
 def _accumulation_run(rank, world):
     """Two micro-batches per step, gradient sync only on the last (set_requires_gradient_sync)."""
     ref_losses, ref_params = per_rank_reference(float8_model(), CFG, world, steps=STEPS, micro_batches=2)
+    _, ref_first = per_rank_reference(float8_model(), CFG, world, steps=1, micro_batches=2)
     model = fully_shard(float8_model())
     forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -168,14 +169,26 @@ def _accumulation_run(rank, world):
         opt.step()
         opt.zero_grad()
         losses.append(total)
+        if step == 0:
+            first_error = max_param_error(full_parameters(model), ref_first)[0]
     error, worst = max_param_error(full_parameters(model), ref_params)
-    return {"loss_error": relative_error(mean_over_ranks(torch.stack(losses)), ref_losses), "param_error": error}
+    return {
+        "loss_error": relative_error(mean_over_ranks(torch.stack(losses)), ref_losses),
+        "first_param_error": first_error,
+        "param_error": error,
+    }
 
 
 @pytest.mark.multirank
 def test_float8_with_gradient_accumulation():
+    """Two micro-batches summed on each rank, then across ranks: another order than the
+    reference's one sequential sum, so the masters may differ in their last bits after the
+    first step, and a later float8 cast may round an element the other way
+    (``ROUNDING_FLIP_BOUND``; seen after five steps: 1.2e-5 on an Intel Xeon). The losses of
+    all five steps and the parameters after the first are held to TOLERANCE."""
     for r in spawn(_accumulation_run, 2):
-        assert r["loss_error"] < TOLERANCE and r["param_error"] < TOLERANCE, r
+        assert r["loss_error"] < TOLERANCE and r["first_param_error"] < TOLERANCE, r
+        assert r["param_error"] < ROUNDING_FLIP_BOUND, r
 
 
 def _mixed_precision_run(rank, world):

@@ -221,14 +221,16 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim)
         self.mlp = MoE(cfg) if cfg.n_experts else SwiGLU(cfg)
-        self.dropout = cfg.dropout
+        # None, not a float attribute read in forward: under dynamic=True Dynamo compiled
+        # the body twice for that float.
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._drop(self.attn(self.attn_norm(x)))
         return x + self._drop(self.mlp(self.mlp_norm(x)))
 
     def _drop(self, branch: torch.Tensor) -> torch.Tensor:
-        return F.dropout(branch, self.dropout, self.training) if self.dropout else branch
+        return branch if self.dropout is None else self.dropout(branch)
 
 
 class Transformer(nn.Module):
