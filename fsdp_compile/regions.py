@@ -14,10 +14,12 @@ NOTE: one body per repeated block
       each, and a parameter that fits no flat has a marker of its own (read from a dict on
       the block rather than through its submodules: one graph input each, no module walk);
     - the body, ``_region``, copies each flat's members out (``split_gathered``) and runs the
-      block's own forward with the gathered tensors put in place of its parameters
-      (``torch.nn.utils.stateless._reparametrize_module``, once per owning submodule, which
-      Dynamo understands and does not count as a side effect); the getters return such
-      plain tensors as they are (``api._gathered``).
+      block's own forward with the gathered tensors put in place of its parameters: stored
+      into each owning submodule's ``_parameters`` and put back after, in the body's own
+      frame (``_stored_in``), or, run eagerly or traced inline, with
+      ``torch.nn.utils.stateless._reparametrize_module``, which Dynamo accepts inside a
+      higher-order op (``_reparametrized``); the getters return such plain tensors as they
+      are (``api._gathered``).
 
     Compiled by mfsdp, the body is one ``fsdp_compile::block_forward`` node per layer in the
     step's graph, and runs as a Dynamo frame of its own, compiled once per structure and
@@ -43,6 +45,7 @@ NOTE: structure before guards
 from __future__ import annotations
 
 import itertools
+import operator
 import types
 import weakref
 from collections import defaultdict
@@ -95,24 +98,23 @@ def _region_forward(self: nn.Module, *args, **kwargs):
         gathered += [unshard_marker(p.to_local(), c) for p, c in zip(self._mfsdp_region_params.values(), alone)]
     # The body takes flat leaves only (the block, constants, tensors, None...), the same for
     # every layer: a frame of its own guards on each argument. Tuples are opened one level
-    # (HF's position_embeddings); one constant says how to regroup. One loop, no generator:
-    # Dynamo steps through this at every layer.
-    leaves, tensors, constants, widths = [], [], [], [len(gathered)]
-    for value in (*args, *kwargs.values()):
-        opened = type(value) is tuple
-        widths.append(len(value) if opened else _NOT_OPENED)
-        for leaf in value if opened else (value,):
-            leaves.append(leaf)
-            if isinstance(leaf, torch.Tensor):
-                tensors.append(leaf)
-                constants.append(())
-            else:
-                constants.append((leaf,))
-    layout = _call_layout(len(args), tuple(kwargs), tuple(widths))
-    call = _block_call(self._mfsdp_region_key, layout, recipe, tuple(constants), torch.is_grad_enabled())
+    # (HF's position_embeddings); one constant says how to regroup. Dynamo steps through this
+    # at every layer, so it is made of what Dynamo runs natively (map over builtins, slices,
+    # getitem) and of functions it runs rather than traces: with a loop over the arguments
+    # this wrapper cost 438 stepped instructions a layer on an HF Llama, now 196.
+    values = (*args, *kwargs.values())
+    opened = tuple(map(operator.is_, map(type, values), itertools.repeat(tuple)))  # not a namedtuple
+    leaves, sizes = values, ()
+    for at in _opened_at(opened):  # the last first: the earlier positions stay where they are
+        sizes += (len(values[at]),)
+        leaves = leaves[:at] + values[at] + leaves[at + 1 :]
+    is_tensor = tuple(map(isinstance, leaves, itertools.repeat(torch.Tensor)))
+    layout, tensor_at, constant_at = _call_layout(len(args), tuple(kwargs), len(gathered), opened, sizes, is_tensor)
+    constants = tuple(map(operator.getitem, itertools.repeat(leaves), constant_at))
+    call = _block_call(self._mfsdp_region_key, layout, recipe, is_tensor, constants, torch.is_grad_enabled())
     if call < 0:  # run eagerly, or traced inline
-        return _region(self, layout, recipe, *gathered, *leaves)
-    outputs = BLOCK_FORWARD(gathered, tensors, call)
+        return _region_inline(self, layout, recipe, *gathered, *leaves)
+    outputs = BLOCK_FORWARD(gathered, list(map(operator.getitem, itertools.repeat(leaves), tensor_at)), call)
     return _regroup(_output_form(call), outputs)
 
 
@@ -144,7 +146,7 @@ def _recipe_key(block: nn.Module) -> str:
     recipe = (
         tuple((f._mfsdp_layout.unpack_args(shard_info(f).param_dtype), f._mfsdp_layout.trims()) for f in flats),
         layout.slots,
-        layout.owners,
+        tuple((tuple(path.split(".")) if path else (), names) for path, names in layout.owners),
     )
     return _key_in(_RECIPES, recipe)
 
@@ -188,19 +190,60 @@ def _param_at(block: nn.Module, path: str) -> nn.Parameter:
     return block.get_submodule(owner)._parameters[name]
 
 
-def _with_weights(block: nn.Module, owners, weights, args, kwargs):
-    """The block's own forward with ``weights`` in place of its parameters, one owning
-    submodule at a time."""
+def _stored_in(block: nn.Module, owners, weights, args, kwargs):
+    """The block's own forward with ``weights`` in place of its parameters: each owning
+    submodule's ``_parameters`` entries hold the plain tensors for the call, and their
+    parameters again after it. For the body's own frame, where nothing encloses the stores.
+
+    Stores into ``_parameters`` rather than ``_reparametrize_module``: Dynamo steps through
+    every instruction of the body's frame, and torch's context manager costs about 600 of
+    them per owning submodule (its accessor objects, ``get_submodule``, ``contextlib``)
+    against about 30 here; the stores are side effects Dynamo replays after the graph, and
+    they put back what was there.
+    """
+    held, at = [], 0
+    for parts, names in owners:
+        owner = block
+        for part in parts:
+            owner = owner._modules[part]
+        params = owner._parameters
+        for name in names:
+            held.append((params, name, params[name]))
+            params[name] = weights[at]
+            at += 1
+    try:
+        return block._mfsdp_region_forward(*args, **kwargs)
+    finally:
+        for params, name, param in held:
+            params[name] = param
+
+
+def _reparametrized(block: nn.Module, owners, weights, args, kwargs):
+    """``_stored_in`` for a body run eagerly or traced inline (``regional=False``), one owning
+    submodule at a time: traced inline, the body may lie inside a higher-order op (HF's
+    gradient checkpointing wraps the block's call in one), where Dynamo refuses a store into
+    a module's dict as a side effect and breaks the graph, but understands
+    ``_reparametrize_module``."""
     if not owners:
         return block._mfsdp_region_forward(*args, **kwargs)
-    (path, names), rest = owners[0], owners[1:]
-    owner = block.get_submodule(path)
-    with _reparametrize_module(owner, dict(zip(names, weights[: len(names)]))):
-        return _with_weights(block, rest, weights[len(names) :], args, kwargs)
+    (parts, names), rest = owners[0], owners[1:]
+    with _reparametrize_module(block.get_submodule(".".join(parts)), dict(zip(names, weights[: len(names)]))):
+        return _reparametrized(block, rest, weights[len(names) :], args, kwargs)
 
 
 def _region(block: nn.Module, layout: str, recipe: str, *leaves):
     """The body: the gathered flats copied out into the block's parameters, then its forward."""
+    return _stored_in(block, *_body_arguments(layout, recipe, leaves))
+
+
+def _region_inline(block: nn.Module, layout: str, recipe: str, *leaves):
+    """The body run eagerly, or traced inline in the caller's frame (``regional=False``)."""
+    return _reparametrized(block, *_body_arguments(layout, recipe, leaves))
+
+
+def _body_arguments(layout: str, recipe: str, leaves: tuple) -> tuple:
+    """A body's leaves as the block's owning submodules, their weights, and its forward's
+    arguments."""
     n_args, names, widths = _call_layout_of(layout)
     unpacks, slots, owners = _recipe_of(recipe)
     gathered, members = leaves[: widths[0]], []
@@ -216,8 +259,7 @@ def _region(block: nn.Module, layout: str, recipe: str, *leaves):
         else:
             values.append(tuple(leaves[at : at + width]))
             at += width
-    args, kwargs = tuple(values[:n_args]), dict(zip(names, values[n_args:]))
-    return _with_weights(block, owners, [members[i] for i in slots], args, kwargs)
+    return owners, [members[i] for i in slots], tuple(values[:n_args]), dict(zip(names, values[n_args:]))
 
 
 _NOT_OPENED = -1
@@ -228,9 +270,27 @@ _CALL_LAYOUTS: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
 
 
 @torch._dynamo.assume_constant_result
-def _call_layout(n_args: int, names: tuple[str, ...], widths: tuple[int, ...]) -> str:
-    """The key of this call's layout in ``_CALL_LAYOUTS`` (run, not traced, by Dynamo)."""
-    return _key_in(_CALL_LAYOUTS, (n_args, names, widths))
+def _opened_at(opened: tuple[bool, ...]) -> tuple[int, ...]:
+    """The positions of the arguments that are tuples, last first (run, not traced, by
+    Dynamo)."""
+    return tuple(at for at in range(len(opened) - 1, -1, -1) if opened[at])
+
+
+@torch._dynamo.assume_constant_result
+def _call_layout(
+    n_args: int, names: tuple[str, ...], n_gathered: int, opened: tuple[bool, ...], sizes: tuple[int, ...],
+    is_tensor: tuple[bool, ...],
+) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """The key of this call's layout in ``_CALL_LAYOUTS``, then the positions of its tensor
+    leaves and of its constant ones (run, not traced, by Dynamo). ``sizes``: the lengths of
+    the tuples ``opened`` marks, last first."""
+    size = iter(reversed(sizes))
+    widths = (n_gathered, *(next(size) if o else _NOT_OPENED for o in opened))
+    return (
+        _key_in(_CALL_LAYOUTS, (n_args, names, widths)),
+        tuple(at for at, t in enumerate(is_tensor) if t),
+        tuple(at for at, t in enumerate(is_tensor) if not t),
+    )
 
 
 @torch._dynamo.assume_constant_result
@@ -241,10 +301,13 @@ def _call_layout_of(layout: str) -> tuple[int, tuple[str, ...], tuple[int, ...]]
 
 
 @torch._dynamo.assume_constant_result
-def _block_call(block_key: int, layout: str, recipe: str, constants: tuple, train: bool) -> int:
+def _block_call(
+    block_key: int, layout: str, recipe: str, is_tensor: tuple[bool, ...], constants: tuple, train: bool
+) -> int:
     """The ``block_forward`` call of the block ``block_key`` (an index, see
     fsdp_compile/block_call.py), or -1 where the body runs inline: outside a compile by
-    mfsdp, or under ``options={"regional": False}`` (run, not traced, by Dynamo)."""
+    mfsdp, or under ``options={"regional": False}`` (run, not traced, by Dynamo).
+    ``constants``: the values of the leaves ``is_tensor`` does not mark, in order."""
     from fsdp_compile.backend import compiling_backend  # the backend builds on the regions
 
     backend = compiling_backend()
@@ -252,9 +315,10 @@ def _block_call(block_key: int, layout: str, recipe: str, constants: tuple, trai
         return -1
     block = _BLOCKS[block_key]
     name, body = _body_for(block)
+    values = iter(constants)
     return register_call(BlockCall(
         block=weakref.ref(block), body=body, name=name, layout=layout, recipe=recipe,
-        constants=constants, train=train, backend=weakref.ref(backend),
+        constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
     ))
 
 

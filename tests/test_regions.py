@@ -80,6 +80,41 @@ def test_a_step_compiled_with_dynamic_shapes_compiles_each_body_whole():
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("regional", [True, False])
+def test_hf_gradient_checkpointing_compiles_the_step_without_a_graph_break(regional):
+    """HF's ``gradient_checkpointing_enable()`` calls each layer inside
+    ``torch.utils.checkpoint``, a higher-order op to Dynamo, which breaks the graph at any
+    store into a module's dict made inside it. Traced inline (``regional=False``) the body
+    puts its weights in place inside that op; as its own frame (the default), outside any.
+    Either way the step is one graph and the body one compile for all layers."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+    )
+    breaks = sum(counters["graph_break"].values())
+    with fake_process_group(8):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = fully_shard(model.train())
+        backend = MfsdpBackend(compiler="eager", regional=regional)
+        tokens = torch.randint(0, 128, (2, 16))
+        torch.compile(model, backend=backend)(input_ids=tokens, labels=tokens).loss.backward()
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert len(backend.graphs) == 1
+    # Each layer's call lies in the checkpoint op's subgraph.
+    calls = [c for gm in backend.graphs[0].dynamo.modules() if isinstance(gm, torch.fx.GraphModule) for c in _calls(gm)]
+    if regional:
+        (bodies,) = backend.bodies.values()
+        assert len(calls) == 3 and len(bodies) == 1
+    else:
+        assert not calls
+
+
+@pytest.mark.structure
 def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
     """Four identical layers: the step's graph calls one body four times, compiled once, and
     every gather and reduce-scatter is in the step's graphs, one bucket per layer, where the
