@@ -198,8 +198,8 @@ def _stored_in(block: nn.Module, owners, weights, args, kwargs):
     Stores into ``_parameters`` rather than ``_reparametrize_module``: Dynamo steps through
     every instruction of the body's frame, and torch's context manager costs about 600 of
     them per owning submodule (its accessor objects, ``get_submodule``, ``contextlib``)
-    against about 30 here; the stores are side effects Dynamo replays after the graph, and
-    they put back what was there.
+    against about 30 here. The stores put back what was there, so Dynamo, which replays a
+    frame's side effects after its graph, finds none left to replay.
     """
     held, at = [], 0
     for parts, names in owners:
