@@ -32,7 +32,9 @@ runner, nothing to speak of, or Inductor: mfsdp's own compiler calls), gc (Pytho
 collector, which runs inside the other stages, so its seconds are part of theirs); each counts
 the step's graphs and the repeated blocks' bodies (frames of their own) together. mfsdp's
 backend must stay linear in graph size: the per-layer growth of each column shows where it is
-not.
+not. Last, ``steps``: the bytecode instructions Dynamo stepped through, every frame together,
+the one column that does not move with the machine's noise (the same torch, model and
+code give the same count), so a change in what Dynamo traces shows in it first.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
     backend = None
     collecting = _CollectorClock()
     gc.callbacks.append(collecting)
+    stepping = _DynamoSteps()
     start = time.perf_counter()
     if mode == "fsdp2-compile":
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -127,7 +130,8 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
             compile_cache=cached,
         )
         forward = torch.compile(model, backend=backend)
-    _loss(forward, tokens).backward()
+    with stepping:
+        _loss(forward, tokens).backward()
     total = time.perf_counter() - start
     gc.callbacks.remove(collecting)
     metrics = {k: sum(v) for k, v in compilation_time_metrics.items()}
@@ -146,6 +150,7 @@ def measure(layers: int, mode: str, world: int, compiler: str, cached: bool) -> 
         "joint_s": metrics.get("aot_trace_joint_graph", 0.0) + metrics.get("aot_collect_metadata", 0.0),
         **{f"{k}_s": v for k, v in ours.items()},
         "gc_s": collecting.seconds,
+        "steps": stepping.count,
     }
 
 
@@ -163,6 +168,31 @@ class _CollectorClock:
             self._started = time.perf_counter()
         else:
             self.seconds += time.perf_counter() - self._started
+
+
+class _DynamoSteps:
+    """Counts the bytecode instructions Dynamo steps through while the block is entered, by
+    wrapping its (private) ``InstructionTranslatorBase.step``: a benchmark's probe, not
+    the product's."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> None:
+        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+        self._step = step = InstructionTranslatorBase.step
+
+        def counted(translator):
+            self.count += 1
+            return step(translator)
+
+        InstructionTranslatorBase.step = counted
+
+    def __exit__(self, *exc) -> None:
+        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+        InstructionTranslatorBase.step = self._step
 
 
 def _fresh_process(layers: int, mode: str, world: int, compiler: str, cache: str, cached: bool) -> dict:
@@ -188,7 +218,7 @@ def _runs(layers: int, mode: str, world: int, compiler: str, restart: bool) -> l
     return [cold, {**warm, "mode": f"{mode} restart"}]
 
 
-COLUMNS = ("first_step_s", "dynamo_s", "joint_s", "passes_s", "partitioner_s", "compiler_s", "gc_s")
+COLUMNS = ("first_step_s", "dynamo_s", "joint_s", "passes_s", "partitioner_s", "compiler_s", "gc_s", "steps")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(
                 f"{row['model']:>24} {layers:>4} layers {mode:>22} ({args.compiler}): "
-                + "  ".join(f"{c.removesuffix('_s')} {row[c]:6.2f}" for c in COLUMNS),
+                + "  ".join(f"{c.removesuffix('_s')} {row[c]:6.2f}" for c in COLUMNS if c != "steps")
+                + f"  steps {row['steps']:7.0f}",
                 flush=True,
             )
     if args.json:

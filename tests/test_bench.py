@@ -160,7 +160,7 @@ def test_compile_time_benchmark_measures_each_mode(tmp_path):
     """benchmarks/compile_time.py runs each mode in a fresh process and reports its stages:
     mfsdp's own stages (passes, partitioner) for ``regional`` only, none for the two
     references it is compared with, which never reach our backend; and, for every mode, the
-    garbage collector's share of the first step."""
+    garbage collector's share of the first step, and the instructions Dynamo stepped."""
     out = tmp_path / "compile_time.json"
     command = [
         sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "compile_time.py"), "--layers", "2",
@@ -174,6 +174,7 @@ def test_compile_time_benchmark_measures_each_mode(tmp_path):
         assert row["layers"] == 2 and row["first_step_s"] > row["dynamo_s"] > 0, row
         # The collector's seconds are a part of the first step, not added to it.
         assert 0 <= row["gc_s"] < row["first_step_s"], row
+        assert row["steps"] > 0, row
     assert rows["regional"]["passes_s"] > 0 and rows["regional"]["partitioner_s"] > 0
     assert rows["torch-regional"]["passes_s"] == rows["fsdp2-compile"]["passes_s"] == 0
 
