@@ -181,18 +181,16 @@ class _DynamoSteps:
     def __enter__(self) -> None:
         from torch._dynamo.symbolic_convert import InstructionTranslatorBase
 
-        self._step = step = InstructionTranslatorBase.step
+        self._translator, self._step = InstructionTranslatorBase, InstructionTranslatorBase.step
 
         def counted(translator):
             self.count += 1
-            return step(translator)
+            return self._step(translator)
 
         InstructionTranslatorBase.step = counted
 
     def __exit__(self, *exc) -> None:
-        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-
-        InstructionTranslatorBase.step = self._step
+        self._translator.step = self._step
 
 
 def _fresh_process(layers: int, mode: str, world: int, compiler: str, cache: str, cached: bool) -> dict:
@@ -249,8 +247,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(
                 f"{row['model']:>24} {layers:>4} layers {mode:>22} ({args.compiler}): "
-                + "  ".join(f"{c.removesuffix('_s')} {row[c]:6.2f}" for c in COLUMNS if c != "steps")
-                + f"  steps {row['steps']:7.0f}",
+                + "  ".join(f"{c.removesuffix('_s')} {row[c]:{'6.2f' if c.endswith('_s') else '7.0f'}}" for c in COLUMNS),
                 flush=True,
             )
     if args.json:
