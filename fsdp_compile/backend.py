@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.fx.graph import _BoxedCodeGen
 
 from fsdp_compile.block_call import lower_block_calls_keeping_their_buffers
 from fsdp_compile.compat import compile_caches_work
@@ -77,8 +77,24 @@ class _Partitioner(CustomPartitionerFn):
 
 
 def _run_graph(gm: fx.GraphModule, example_inputs: Sequence[object], **_: Any):
-    """The eager FX runner: the rewritten graph's generated Python, boxed for AOTAutograd."""
-    return make_boxed_func(gm.forward)
+    """The eager FX runner: the rewritten graph's generated Python in AOTAutograd's boxed
+    calling convention, as torch's ``aot_eager`` runs it.
+
+    The code takes the argument list and clears it, and FX's code drops every value after its
+    last use, so an input (a saved activation in the backward, a gathered weight) is freed as
+    the graph goes, as Inductor's code frees it. Called unboxed, the caller's list would keep
+    every input alive until the graph returned: in the backward, every layer's saved
+    activations at once.
+    """
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    forward = gm.forward
+
+    def run(args: list) -> Any:
+        return forward(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 class CompiledGraph:

@@ -178,3 +178,44 @@ def test_default_runs_no_more_collectives_than_fsdp2(wrapping):
     with fake_process_group(2):
         _, resharded = _compile_step(cfg, reshard_after_forward=True)
     assert sum(count_collectives(g.graph)["all_gather"] for g in (resharded.forward, resharded.backward)) == 10
+
+
+class _SeesWhetherFreed(torch.overrides.TorchFunctionMode):
+    """Records, at each ``torch.cos`` call, whether ``watched`` has been freed."""
+
+    def __init__(self, watched) -> None:
+        super().__init__()
+        self.watched, self.freed_at_cos = watched, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.cos:
+            self.freed_at_cos.append(self.watched() is None)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_eager_runner_frees_each_input_at_its_last_use():
+    """The eager FX runner (the CPU compiler, and the graph around the bodies with
+    ``compile_outside_blocks=False``) takes AOTAutograd's argument list and clears it: an input
+    the graph no longer needs is freed while the graph runs, as in Inductor's code, instead of
+    being held by the caller's list until the graph returns (in a backward: every layer's saved
+    activations at once). Every graph the backend runs this way is boxed."""
+    import weakref
+
+    from torch import fx
+
+    from fsdp_compile.backend import _run_graph
+
+    run = _run_graph(fx.symbolic_trace(lambda x: torch.cos(torch.sin(x))), [])
+    x = torch.randn(4096)
+    expected = torch.cos(torch.sin(x))
+    args, watch = [x], _SeesWhetherFreed(weakref.ref(x))
+    del x
+    with watch:
+        out = run(args)
+    assert args == [] and watch.freed_at_cos == [True]
+    torch.testing.assert_close(out, expected)
+
+    cfg = TransformerConfig()
+    with fake_process_group(8):
+        step = compile_one_step(fully_shard(build_model(cfg)), cfg)
+    assert step.compiled["forward"]._boxed_call and step.compiled["backward"]._boxed_call
