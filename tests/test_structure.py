@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 
 import pytest
 import torch
+from torch import fx
 
 from fsdp_compile import fully_shard, gathered_params, shard_info
+from fsdp_compile.backend import _run_graph
 from fsdp_compile.testing.models import TransformerConfig
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import ALL_GATHER, count_collectives
@@ -199,12 +202,6 @@ def test_the_eager_runner_frees_each_input_at_its_last_use():
     the graph no longer needs is freed while the graph runs, as in Inductor's code, instead of
     being held by the caller's list until the graph returns (in a backward: every layer's saved
     activations at once). Every graph the backend runs this way is boxed."""
-    import weakref
-
-    from torch import fx
-
-    from fsdp_compile.backend import _run_graph
-
     run = _run_graph(fx.symbolic_trace(lambda x: torch.cos(torch.sin(x))), [])
     x = torch.randn(4096)
     expected = torch.cos(torch.sin(x))
