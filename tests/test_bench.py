@@ -8,14 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-bodies")
 
 
-def _run_bench(json_path, *, preset="tiny", modes=MODES, where=("--world-size", "2"), compiler="eager") -> dict:
+def _run_bench(
+    json_path, *, preset="tiny", modes=MODES, where=("--world-size", "2"), compiler="eager", device="cpu"
+) -> dict:
     command = [
         sys.executable, "-m", "fsdp_compile.bench",
-        "--preset", preset, *where, "--device", "cpu",
+        "--preset", preset, *where, "--device", device,
         "--modes", ",".join(modes), "--compiler", compiler,
         "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "3",
         "--json", str(json_path), "--timeout-s", "240",
@@ -195,3 +198,84 @@ def test_kernel_census_sums_each_kernel_and_ranks_them():
     events = [event("gemm", 3000), event("aten::mm", 9000, DeviceType.CPU), event("softmax", 500), event("gemm", 2000)]
     census = kernel_census(SimpleNamespace(events=lambda: events), step_ms=12.0, top=1)
     assert census == {"step_ms": 12.0, "kernel_ms": 5.5, "launches": 3, "top": {"gemm": [5.0, 2]}}
+
+
+@pytest.mark.structure
+def test_memory_sites_replay_the_allocator_history_by_site():
+    """The CUDA-only memory report, on a stand-in for the allocator's history: what stays live
+    after the last event and what is live at the peak of the timed events, by the innermost
+    frame outside torch (an optimizer's frame counts as the user's)."""
+    import os
+
+    import torch
+
+    from fsdp_compile.bench.memory import allocation_site, memory_by_site
+
+    torch_dir = os.path.dirname(torch.__file__)
+
+    def frame(path, line=1, name="f"):
+        return {"filename": path, "line": line, "name": name}
+
+    inside = frame(f"{torch_dir}/nn/functional.py", name="linear")
+    weights = [inside, frame("/work/model.py", 10, "build")]
+    grads = [frame("<eval_with_key>.3", 7, "forward")]
+    # A line past the file's end: no source line to quote.
+    state = [frame(f"{torch_dir}/optim/adamw.py", 99999, "_init_group"), frame("/work/train.py", 5, "step")]
+    temps = [inside]
+
+    def alloc(addr, mib, frames):
+        return {"action": "alloc", "addr": addr, "size": mib << 20, "frames": frames}
+
+    def free(addr):
+        return {"action": "free_completed", "addr": addr}
+
+    events = [
+        alloc(1, 40, weights),
+        alloc(2, 30, temps),  # a warm-up temporary: its peak is not the timed steps'
+        free(2),
+        alloc(3, 8, grads),
+        alloc(4, 16, state),
+        alloc(5, 20, temps),  # the timed steps' peak: 40 + 8 + 16 + 20
+        free(5),
+        free(99),  # allocated before recording began: not counted
+        alloc(6, 8, grads),
+        free(3),
+    ]
+    report = memory_by_site(events, timed_from=3, top=2)
+    assert report["after_steps_mib"] == 40 + 16 + 8
+    (weights_site, *_), (state_site, state_mib, state_blocks) = (
+        (s["site"], s["mib"], s["blocks"]) for s in report["after_steps"]
+    )
+    assert weights_site == "/work/model.py:10 build"
+    assert state_site.endswith("torch/optim/adamw.py:99999 _init_group") and (state_mib, state_blocks) == (16, 1)
+    assert len(report["after_steps"]) == 2  # the top two: the gradients' 8 MiB left out
+    assert report["at_peak_mib"] == 84
+    assert {s["site"]: s["mib"] for s in report["at_peak"]} == {
+        "/work/model.py:10 build": 40,
+        "no Python frame outside torch": 20,
+    }
+    assert allocation_site([]) == "no Python stack recorded"
+    assert allocation_site(grads) == "<eval_with_key>.3:7 forward"
+
+
+@pytest.mark.structure
+def test_memory_sites_on_cpu_are_refused_with_the_reason(capsys):
+    from fsdp_compile.bench.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--memory-sites", "10"])
+    assert "--memory-sites needs --device cuda" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator history is CUDA's")
+def test_memory_sites_on_cuda_name_what_a_step_leaves_behind(tmp_path):
+    result = _run_bench(
+        tmp_path / "sites.json", modes=("mfsdp",), where=("--world-size", "1", "--memory-sites", "5"),
+        compiler="inductor", device="cuda",
+    )["results"][0]
+    sites = result["memory_sites"]
+    assert sites["after_steps_mib"] > 0 and sites["at_peak_mib"] >= sites["after_steps_mib"]
+    assert sites["after_steps"] and len(sites["after_steps"]) <= 5
+    # AdamW's state and the weights stay from step to step; each is named by its own line.
+    assert any("optim" in s["site"] for s in sites["after_steps"]), sites

@@ -85,6 +85,10 @@ class BenchConfig:
     """Compile each mode with Inductor's and AOTAutograd's caches on, in a folder of its own
     inside this one: run the bench twice over one folder and the second run's warm-up is a
     restart's (empty: every mode compiles cold, in a fresh folder, the caches off)."""
+    memory_sites: int = 0
+    """CUDA: record the allocator's history with Python stacks (slower steps) and print, per
+    mode, this many allocation sites holding the most memory after the last timed step and
+    at the timed steps' peak (0: off)."""
     json: str = ""
     """Write the results here too (empty: only print)."""
     timeout_s: float = 3600.0
@@ -103,6 +107,7 @@ class BenchConfig:
             lr=self.lr,
             seed=self.seed,
             compile_cache=self.compile_cache,
+            memory_sites=self.memory_sites,
         )
 
 
@@ -138,6 +143,14 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error("--warmup, --steps and --world-size must be at least 1")
     if bench.fake_world < 0:
         parser.error("--fake-world must be a number of ranks, or 0 for a real job")
+    if bench.memory_sites < 0:
+        parser.error("--memory-sites must be a number of sites, or 0 for none")
+    if bench.memory_sites and bench.device != "cuda":
+        parser.error(
+            "--memory-sites needs --device cuda: it replays the CUDA caching allocator's history "
+            "(torch.cuda.memory._record_memory_history); a CPU run has none, and its peak "
+            "memory is the process's resident set"
+        )
     if bench.float8 == "on":
         check_float8_available()
     if bench.emulate_link and not bench.fake_world:

@@ -1,4 +1,5 @@
-"""Peak memory of a mode: CUDA allocator statistics, or the process's resident set.
+"""Peak memory of a mode: CUDA allocator statistics, or the process's resident set; on CUDA,
+on request, where the memory goes (``AllocationSites``).
 
 CUDA: ``torch.cuda.max_memory_allocated`` from before the model is built to the last timed
 step. Warm-up is included because a captured CUDA graph allocates its memory pool during
@@ -16,6 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import linecache
+import os
+import sysconfig
+from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -75,3 +81,96 @@ class PeakMemory:
         if not self.supported:
             return None
         return (_status_kib("VmHWM") - self.baseline_kib) / 2**10
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+_HISTORY_ENTRIES = 4_000_000
+"""Allocator events kept per mode, a generous bound; past it the allocator drops the oldest
+and the report says so (its sites then miss what those events allocated)."""
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """Where an allocation comes from, for a reader: its innermost Python frame outside torch's
+    own code and the standard library, so generated code (FX's ``<eval_with_key>``, Inductor's
+    output modules), fsdp_compile, the model and torch's optimizers (the user's state) each
+    name their line; with the line's source when Python can find it."""
+    for frame in frames:
+        name = frame["filename"]
+        if (name.startswith(_TORCH_DIR) and not name.startswith(_OPTIM_DIR)) or name.startswith(_STDLIB_DIR):
+            continue
+        source = linecache.getline(name, frame["line"]).strip()
+        where = f"{name.split('site-packages' + os.sep)[-1]}:{frame['line']} {frame['name']}"
+        return f"{where} | {source[:100]}" if source else where
+    return "no Python frame outside torch" if frames else "no Python stack recorded"
+
+
+def _by_site(blocks: Iterable[dict], top: int) -> list[dict]:
+    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for block in blocks:
+        site = sites[allocation_site(block.get("frames", []))]
+        site[0] += block["size"]
+        site[1] += 1
+    ranked = sorted(sites.items(), key=lambda item: -item[1][0])[:top]
+    return [{"site": site, "mib": size / 2**20, "blocks": count} for site, (size, count) in ranked]
+
+
+def memory_by_site(events: list[dict], timed_from: int, top: int, dropped: bool = False) -> dict:
+    """Replay the allocator's events (``alloc`` and ``free_completed``, oldest first): the
+    ``top`` sites holding the most memory after the last event, and at the largest total from
+    event ``timed_from`` on. Only what was allocated while recording is seen, so recording
+    starts before the model is built."""
+    sizes: dict[int, int] = {}
+    current = peak = 0
+    peak_at = None
+    for at, event in enumerate(events):
+        if event["action"] == "alloc":
+            sizes[event["addr"]] = event["size"]
+            current += event["size"]
+            if at >= timed_from and current > peak:
+                peak, peak_at = current, at
+        elif event["action"] == "free_completed" and event["addr"] in sizes:
+            current -= sizes.pop(event["addr"])
+    live: dict[int, dict] = {}
+    at_peak: list[dict] = []
+    for at, event in enumerate(events):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+        if at == peak_at:
+            at_peak = list(live.values())
+    return {
+        "after_steps_mib": current / 2**20,
+        "after_steps": _by_site(live.values(), top),
+        "at_peak_mib": peak / 2**20,
+        "at_peak": _by_site(at_peak, top),
+        "events": len(events),
+        "oldest_dropped": dropped,
+    }
+
+
+class AllocationSites:
+    """``--memory-sites N`` on CUDA: the caching allocator records every allocation with its
+    Python stack from before the model is built; at the end, what is live after the last timed
+    step (what one step leaves for the next: weights, gradients, optimizer state, and anything
+    held by mistake) and at the timed steps' peak, by allocation site (``memory_by_site``).
+
+    A debugging aid, not a measurement: recording stacks slows every allocation."""
+
+    def __init__(self, device: torch.device, top: int) -> None:
+        self.device, self.top = device, top
+        self.timed_from = 0
+        torch.cuda.memory._record_memory_history(max_entries=_HISTORY_ENTRIES, stacks="python", device=device)
+
+    def _events(self) -> list[dict]:
+        return torch.cuda.memory._snapshot(self.device)["device_traces"][self.device.index or 0]
+
+    def warmup_done(self) -> None:
+        self.timed_from = len(self._events())
+
+    def report(self) -> dict:
+        events = self._events()
+        torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+        return memory_by_site(events, self.timed_from, self.top, dropped=len(events) >= _HISTORY_ENTRIES)

@@ -68,7 +68,7 @@ except ImportError as missing:
 from fsdp_compile import MfsdpBackend, MixedPrecision, capture_step, fully_shard
 from fsdp_compile.bench.comms import graph_census, issued_census, kernel_census, profiled_census
 from fsdp_compile.bench.emulated_link import EmulatedLinkGroup
-from fsdp_compile.bench.memory import PeakMemory
+from fsdp_compile.bench.memory import AllocationSites, PeakMemory
 from fsdp_compile.bench.presets import PRESETS, HFPreset, blocks, build, materialize, train_flops
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_extra_missing
@@ -99,6 +99,8 @@ class RunConfig:
     compile_cache: str = ""
     """A folder: each mode compiles with the caches on in a folder of its own inside it (NOTE:
     each mode compiles cold); empty: a fresh folder per mode, the caches off."""
+    memory_sites: int = 0
+    """CUDA: report this many allocation sites of each mode (``AllocationSites``); 0: off."""
 
 
 # torch's compile counters that say whether a graph was compiled or loaded:
@@ -236,6 +238,7 @@ def run_mode(mode: str, run: RunConfig, device: torch.device) -> dict:
 
 def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
     memory = PeakMemory(device)
+    sites = AllocationSites(device, run.memory_sites) if run.memory_sites else None
     model, forward, backend = _build(mode, run, device)
     # capturable keeps AdamW's step count on the device, which capture needs; every mode
     # gets the same optimizer.
@@ -266,6 +269,8 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
     profiled = issued_census(link.issued[issued_before:]) if emulated else profiled_census(prof)
 
     memory.warmup_done()
+    if sites:
+        sites.warmup_done()
     times, exposed = [], []
     for tokens, targets in tqdm(batches[2:], desc=mode, disable=dist.get_rank() != 0):
         blocked = getattr(link, "exposed_s", 0.0)
@@ -293,6 +298,7 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
         "model_tflops_per_step": train_flops(PRESETS[run.preset], run.batch, run.seq) / 1e12,
         "profiled_collectives": profiled,
         "profiled_kernels": kernel_census(prof, profiled_ms) if device.type == "cuda" else None,
+        "memory_sites": sites.report() if sites else None,
     }
     # A graph loaded from the compile cache was never compiled here: nothing to count in it.
     compiled_here = backend is not None and all(g.compiled for g in backend.all_graphs())

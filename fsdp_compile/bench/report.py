@@ -150,6 +150,8 @@ def print_report(document: dict) -> None:
                 f"{kernels['launches']} launches, step {kernels['step_ms']:.1f} ms under the profiler"
             )
     for r in results:
+        _print_memory_sites(r)
+    for r in results:
         caches = r["compile_cache"]
         if caches["folder"]:
             print(
@@ -160,6 +162,18 @@ def print_report(document: dict) -> None:
     for mode, reason in document["skipped"].items():
         print(f"skipped {mode}: {reason}")
     print(json.dumps(document), flush=True)
+
+
+def _print_memory_sites(r: dict) -> None:
+    sites = r.get("memory_sites")
+    if not sites:
+        return
+    dropped = ", the oldest events dropped: sites undercounted" if sites["oldest_dropped"] else ""
+    print(f"memory of {r['mode']} by allocation site ({sites['events']} allocator events{dropped}):")
+    for label, key in (("live after the last timed step", "after_steps"), ("live at the timed steps' peak", "at_peak")):
+        print(f"  {label}: {sites[key + '_mib']:.1f} MiB")
+        for site in sites[key]:
+            print(f"    {site['mib']:10.1f} MiB {site['blocks']:6d} blocks  {site['site']}")
 
 
 def write_json(document: dict, path: str) -> None:
