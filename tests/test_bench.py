@@ -271,11 +271,11 @@ def test_memory_sites_on_cpu_are_refused_with_the_reason(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator history is CUDA's")
 def test_memory_sites_on_cuda_name_what_a_step_leaves_behind(tmp_path):
     result = _run_bench(
-        tmp_path / "sites.json", modes=("mfsdp",), where=("--world-size", "1", "--memory-sites", "5"),
+        tmp_path / "sites.json", modes=("mfsdp",), where=("--world-size", "1", "--memory-sites", "20"),
         compiler="inductor", device="cuda",
     )["results"][0]
     sites = result["memory_sites"]
     assert sites["after_steps_mib"] > 0 and sites["at_peak_mib"] >= sites["after_steps_mib"]
-    assert sites["after_steps"] and len(sites["after_steps"]) <= 5
+    assert sites["after_steps"] and len(sites["after_steps"]) <= 20
     # AdamW's state and the weights stay from step to step; each is named by its own line.
     assert any("optim" in s["site"] for s in sites["after_steps"]), sites
