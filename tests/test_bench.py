@@ -255,7 +255,9 @@ def test_memory_sites_replay_the_allocator_history_by_site():
         "no Python frame outside torch": 20,
     }
     assert allocation_site([]) == "no Python stack recorded"
-    assert allocation_site(grads) == "<eval_with_key>.3:7 forward"
+    # Generated code is a site of its own, quoted when linecache holds it (FX registers each
+    # compiled graph's code there, so a process that compiled before this test may).
+    assert allocation_site(grads).startswith("<eval_with_key>.3:7 forward")
 
 
 @pytest.mark.structure
