@@ -207,8 +207,6 @@ def test_memory_sites_replay_the_allocator_history_by_site():
     frame outside torch (an optimizer's frame counts as the user's)."""
     import os
 
-    import torch
-
     from fsdp_compile.bench.memory import allocation_site, memory_by_site
 
     torch_dir = os.path.dirname(torch.__file__)

@@ -21,7 +21,7 @@ import linecache
 import os
 import sysconfig
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -116,36 +116,36 @@ def _by_site(blocks: Iterable[dict], top: int) -> list[dict]:
     return [{"site": site, "mib": size / 2**20, "blocks": count} for site, (size, count) in ranked]
 
 
-def memory_by_site(events: list[dict], timed_from: int, top: int, dropped: bool = False) -> dict:
-    """Replay the allocator's events (``alloc`` and ``free_completed``, oldest first): the
-    ``top`` sites holding the most memory after the last event, and at the largest total from
-    event ``timed_from`` on. Only what was allocated while recording is seen, so recording
-    starts before the model is built."""
-    sizes: dict[int, int] = {}
-    current = peak = 0
-    peak_at = None
-    for at, event in enumerate(events):
-        if event["action"] == "alloc":
-            sizes[event["addr"]] = event["size"]
-            current += event["size"]
-            if at >= timed_from and current > peak:
-                peak, peak_at = current, at
-        elif event["action"] == "free_completed" and event["addr"] in sizes:
-            current -= sizes.pop(event["addr"])
+def _replay(events: list[dict]) -> Iterator[tuple[int, dict[int, dict], int]]:
+    """After each event (``alloc`` and ``free_completed``, oldest first): its index, the blocks
+    live then by address (one dict, updated in place), and their total bytes. A free of a block
+    allocated before recording began is ignored."""
     live: dict[int, dict] = {}
-    at_peak: list[dict] = []
+    total = 0
     for at, event in enumerate(events):
         if event["action"] == "alloc":
             live[event["addr"]] = event
-        elif event["action"] == "free_completed":
-            live.pop(event["addr"], None)
-        if at == peak_at:
-            at_peak = list(live.values())
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        yield at, live, total
+
+
+def memory_by_site(events: list[dict], timed_from: int, top: int, dropped: bool = False) -> dict:
+    """The ``top`` sites holding the most memory after the last event, and at the largest total
+    from event ``timed_from`` on. Only what was allocated while recording is seen, so recording
+    starts before the model is built."""
+    peak, peak_at, after, after_total = 0, None, {}, 0
+    for at, live, total in _replay(events):
+        if at >= timed_from and total > peak:
+            peak, peak_at = total, at
+        after, after_total = live, total
+    at_peak = next((dict(live) for at, live, _ in _replay(events) if at == peak_at), {})
     return {
-        "after_steps_mib": current / 2**20,
-        "after_steps": _by_site(live.values(), top),
+        "after_steps_mib": after_total / 2**20,
+        "after_steps": _by_site(after.values(), top),
         "at_peak_mib": peak / 2**20,
-        "at_peak": _by_site(at_peak, top),
+        "at_peak": _by_site(at_peak.values(), top),
         "events": len(events),
         "oldest_dropped": dropped,
     }
