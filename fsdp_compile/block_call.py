@@ -44,6 +44,8 @@ NOTE: one op per block call
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -58,7 +60,7 @@ from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile.errors import CompileUsageError
 
-__all__ = ["BlockCall", "register_call", "call_record", "BLOCK_FORWARD", "BLOCK_BACKWARD", "RNG_STATE"]
+__all__ = ["BlockCall", "register_call", "call_record", "BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,7 +89,8 @@ class BlockCall:
     ``outputs`` (their metadata), ``form`` (how they regroup), ``cost``: the FLOPs and
     bytes of the body's forward and backward ops (see ``_RooflineCounter``),
     ``saved_bytes``: what its autograd graph keeps for the backward (see ``_saved_bytes``),
-    and ``random``: whether its forward draws random numbers."""
+    ``random``: whether its forward draws random numbers, and ``graded``: per gathered
+    weight, which of its members the backward gives a gradient (see ``_graded``)."""
 
     def leaves(self, tensors: list[Tensor]) -> list[Any]:
         tensors = iter(tensors)
@@ -321,6 +324,8 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
     flat = _tensors_of(output)
     differentiable = [t for t in flat if t.requires_grad]
     saved_bytes = _saved_bytes(differentiable, besides=[*leaves, *flat])
+    with _autograd_inside():  # to name the weights' nodes, as the backward's graph does
+        graded = _Graded(differentiable, leaves[: len(weights)])
     if differentiable:
         with _autograd_inside(), backward:
             torch.autograd.grad(
@@ -328,12 +333,73 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
                 [torch.ones_like(t) for t in differentiable], allow_unused=True,
             )
     return {
+        "graded": graded.found(),
         "form": _form(output),
         "outputs": [_metadata(t) for t in flat],
         "cost": {"forward": (forward.flops, forward.bytes), "backward": (backward.flops, backward.bytes)},
         "saved_bytes": saved_bytes,
         "random": forward.random,
     }
+
+
+class _Graded:
+    """Which members of each gathered weight a block's backward gives a gradient.
+
+    NOTE: parameters without a gradient
+        A parameter autograd gives no gradient (read only under ``torch.no_grad()``, or not
+        read at all) keeps ``.grad is None`` in the unsharded model, and optimizers skip it:
+        AdamW neither decays it nor advances its state. A repeated block's members share one
+        flat buffer and one reduce-scatter, whose backward (``split_gathered``'s) packs zeros
+        for a member without gradient; so who has a gradient is found apart, per member, and
+        the flat's hand-out (``flat_params._hand_out_grads``) gives those members none.
+
+        Compiled regionally, the body is opaque to the step: its fake run records, on the
+        autograd node consuming each gathered weight (the copy-out of a flat, or the ops
+        reading a parameter on its own), which outputs the backward reached
+        (``traced["graded"]``); the step's backward then gives a weight no member of which
+        has a gradient none at all (no reduce-scatter: its ``.grad`` stays None, as at the
+        root). Each traced call tells its block's flats which members to hand out; a call
+        traced inline (``regional=False``) is fake-run for that alone (``block_graded``). Run
+        eagerly, the copy-out's own node says so at each backward (``regions._region_inline``).
+    """
+
+    def __init__(self, outputs: list[Tensor], weights: list[Tensor]) -> None:
+        self._count = len(weights)
+        self._reached: dict[int, tuple[bool, ...]] = {}
+        for node, index in _consumers(outputs, weights):
+            node.register_prehook(functools.partial(self._record, index))
+
+    def _record(self, index: int, grad_outputs: tuple) -> None:
+        flags = tuple(g is not None for g in grad_outputs)
+        before = self._reached.get(index, flags)
+        # Several nodes read a parameter on its own (one output each): any reached counts.
+        self._reached[index] = tuple(map(operator.or_, before, flags)) if len(before) == len(flags) else (True,)
+
+    def found(self) -> list[tuple[bool, ...]]:
+        """Per weight: a flag per output of the node reading it (a flat's copy-out has one per
+        member; any other reader one); empty for a weight the backward never reached."""
+        return [self._reached.get(i, ()) for i in range(self._count)]
+
+
+def _consumers(outputs: list[Tensor], weights: list[Tensor]) -> Iterator[tuple[Any, int]]:
+    """Each autograd node that reads one of ``weights`` (leaves) directly, with the weight's
+    index, among the nodes ``outputs`` depend on."""
+    accumulators = {_accumulator_of(w): i for i, w in enumerate(weights) if w.requires_grad}
+    stack, seen = [t.grad_fn for t in outputs], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for next_node, _ in node.next_functions:
+            if next_node in accumulators:
+                yield node, accumulators[next_node]
+            stack.append(next_node)
+
+
+def _accumulator_of(leaf: Tensor) -> Any:
+    """A leaf's ``AccumulateGrad`` node: what the nodes reading it name in ``next_functions``."""
+    return leaf.view_as(leaf).grad_fn.next_functions[0][0]
 
 
 @torch.library.custom_op("fsdp_compile::block_forward", mutates_args=())
@@ -352,13 +418,39 @@ def block_forward(
 
 @block_forward.register_fake
 def _(weights, tensors, call, rng_state=None, replay=False) -> list[Tensor]:
-    record = _CALLS[call]
-    record.traced.update(_fake_run(record, weights, tensors))
+    record = _traced(call, weights, tensors)
     # Dynamo's call comes first and sees the user's tensors; AOTAutograd's come from below
     # autograd, where nothing requires a gradient.
     record.traced.setdefault("differentiable", [t.requires_grad for t in tensors])
     outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in record.traced["outputs"]]
     return [*outputs, _token_like([*weights, *tensors])]
+
+
+def _traced(call: int, weights: list[Tensor], tensors: list[Tensor]) -> BlockCall:
+    """The call's record, its fake run done; a training call tells the block's flats which
+    members get a gradient (see NOTE: parameters without a gradient)."""
+    record = _CALLS[call]
+    record.traced.update(_fake_run(record, weights, tensors))
+    if record.train:
+        record.block()._mfsdp_note_graded(record.traced["graded"])
+    return record
+
+
+@torch.library.custom_op("fsdp_compile::block_graded", mutates_args=())
+def block_graded(weights: list[Tensor], tensors: list[Tensor], call: int) -> Tensor:
+    """Traced, the fake run of a block call traced inline (``regional=False``), for what its
+    flats' members get a gradient (see NOTE: parameters without a gradient). Its result is a
+    token nobody reads, so Dynamo's dead-code elimination drops the node: nothing runs."""
+    return _token_like([*weights, *tensors])
+
+
+@block_graded.register_fake
+def _(weights, tensors, call) -> Tensor:
+    _traced(call, weights, tensors)
+    return _token_like([*weights, *tensors])
+
+
+BLOCK_GRADED = torch.ops.fsdp_compile.block_graded.default
 
 
 @torch.library.custom_op("fsdp_compile::block_backward", mutates_args=())
@@ -388,8 +480,12 @@ def _backward(ctx, grads: list[Tensor | None]):
     token, *saved = ctx.saved_tensors
     weights, tensors = saved[: ctx.counts[0]], saved[ctx.counts[0] :]
     computed = block_backward(token, weights, tensors, list(grads[:-1]), ctx.call)
-    by_tensor = computed[len(weights) :]
-    return computed[: len(weights)], [g if d else None for g, d in zip(by_tensor, ctx.differentiable)], None, *[None] * ctx.kept
+    by_weight, by_tensor = computed[: len(weights)], computed[len(weights) :]
+    # A weight no member of which has a gradient gets none (see NOTE: parameters without a
+    # gradient): no reduction runs for it, and its parameters' .grad stays None.
+    graded = _CALLS[ctx.call].traced["graded"]
+    by_weight = [g if any(flags) else None for g, flags in zip(by_weight, graded)]
+    return by_weight, [g if d else None for g, d in zip(by_tensor, ctx.differentiable)], None, *[None] * ctx.kept
 
 
 block_forward.register_autograd(_backward, setup_context=_save)

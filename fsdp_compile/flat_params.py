@@ -58,7 +58,7 @@ from fsdp_compile.api import ShardInfo, shard_info
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.ops import padded_rows
 
-__all__ = ["FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat"]
+__all__ = ["FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat", "note_graded"]
 
 
 @dataclass(frozen=True)
@@ -250,14 +250,32 @@ def converted_flat(flat: nn.Parameter, members: list[nn.Parameter], fn) -> nn.Pa
     return _new_flat(converted.data, members, flat._mfsdp, flat._mfsdp_layout, copy=False)
 
 
+def note_graded(flat: nn.Parameter, flags: tuple[bool, ...], *, traced: bool) -> None:
+    """Record which members of ``flat`` get a gradient (one flag per member; empty: none),
+    for the hand-out (see NOTE: parameters without a gradient, in block_call.py): ``traced``,
+    as a compiled step found while tracing (it holds for every run of that step); otherwise
+    for the eager backward under way only."""
+    flags = flags or (False,) * len(flat._mfsdp_members)
+    if traced:
+        flat._mfsdp_graded_compiled = flags
+    else:
+        flat._mfsdp_graded = flags
+
+
 def _hand_out_grads(flat: nn.Parameter) -> None:
     """The flat's accumulated gradient, handed to its members as views (see NOTE: flat
-    parameters)."""
+    parameters); a member the backward gave no gradient gets none, as autograd would."""
     if flat.grad is None:  # a micro-batch without gradient sync: the accumulator took it
         return
     grad = flat.grad
+    # An eager backward says for itself; a compiled one as it was traced.
+    graded = getattr(flat, "_mfsdp_graded", None) or getattr(flat, "_mfsdp_graded_compiled", None)
+    flat._mfsdp_graded = None
+    graded = graded or (True,) * len(flat._mfsdp_members)
     with torch.no_grad():
-        for member in flat._mfsdp_members:
+        for member, has_grad in zip(flat._mfsdp_members, graded):
+            if not has_grad:
+                continue
             param = member.param
             # The cheap constructor: the member's own spec (mesh, placements, global shape).
             piece = DTensor(grad[member.offset : member.offset + member.numel].view(member.local_shape), param._spec, requires_grad=False)

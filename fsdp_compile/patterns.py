@@ -31,7 +31,7 @@ from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_compile import bucket_copies as _bucket_copies  # noqa: F401  (registers its ops)
-from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD, RNG_STATE
+from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD, BLOCK_GRADED, RNG_STATE
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
 from fsdp_compile.float8 import FLOAT8_CAST
 
@@ -116,6 +116,12 @@ def is_block_call(node: fx.Node) -> bool:
 
 def is_block_forward(node: fx.Node) -> bool:
     return _calls(node, BLOCK_FORWARD)
+
+
+def is_block_probe(node: fx.Node) -> bool:
+    """The fake-run probe of a block call traced inline (``block_graded``), dropped from
+    Dynamo's graph by the pass drop_block_probes."""
+    return _calls(node, BLOCK_GRADED)
 
 
 def is_rng_state(node: fx.Node) -> bool:

@@ -85,6 +85,7 @@ def build_pipeline(plan: Plan) -> Pipeline:
     dynamo = [
         # First of all: a graph break is refused before any collective (the rank check) runs.
         *([Pass("check_graph_breaks", "dynamo", passes.check_graph_breaks, rewrites=False)] if options.cuda_graph else []),
+        Pass("drop_block_probes", "dynamo", passes.drop_block_probes, passes.check_drop_block_probes),
         Pass("dedupe_unshards", "dynamo", passes.dedupe_unshards, passes.check_dedupe_unshards),
         Pass("check_rank_agreement", "dynamo", passes.check_rank_agreement, rewrites=False),
     ]

@@ -44,6 +44,7 @@ NOTE: structure before guards
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import types
@@ -57,9 +58,9 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.api import marker_args, next_param_id, shard_info, unshard_marker
-from fsdp_compile.block_call import BLOCK_FORWARD, BlockCall, call_record, register_call
+from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, BlockCall, call_record, register_call
 from fsdp_compile.errors import CompileUsageError
-from fsdp_compile.flat_params import check_linked, converted_flat, flat_groups, make_flat
+from fsdp_compile.flat_params import check_linked, converted_flat, flat_groups, make_flat, note_graded
 
 __all__ = ["install_regions", "is_region", "RegionLayout"]
 
@@ -111,10 +112,13 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     is_tensor = tuple(map(isinstance, leaves, itertools.repeat(torch.Tensor)))
     layout, tensor_at, constant_at = _call_layout(len(args), tuple(kwargs), len(gathered), opened, sizes, is_tensor)
     constants = tuple(map(operator.getitem, itertools.repeat(leaves), constant_at))
-    call = _block_call(self._mfsdp_region_key, layout, recipe, is_tensor, constants, torch.is_grad_enabled())
-    if call < 0:  # run eagerly, or traced inline
+    call, inline = _block_call(self._mfsdp_region_key, layout, recipe, is_tensor, constants, torch.is_grad_enabled())
+    tensors = list(map(operator.getitem, itertools.repeat(leaves), tensor_at))
+    if inline:  # run eagerly, or traced inline
+        if call >= 0:
+            BLOCK_GRADED(gathered, tensors, call)
         return _region_inline(self, layout, recipe, *gathered, *leaves)
-    outputs = BLOCK_FORWARD(gathered, list(map(operator.getitem, itertools.repeat(leaves), tensor_at)), call)
+    outputs = BLOCK_FORWARD(gathered, tensors, call)
     return _regroup(_output_form(call), outputs)
 
 
@@ -233,22 +237,42 @@ def _reparametrized(block: nn.Module, owners, weights, args, kwargs):
 
 def _region(block: nn.Module, layout: str, recipe: str, *leaves):
     """The body: the gathered flats copied out into the block's parameters, then its forward."""
-    return _stored_in(block, *_body_arguments(layout, recipe, leaves))
+    owners, weights, args, kwargs, _ = _body_arguments(layout, recipe, leaves)
+    return _stored_in(block, owners, weights, args, kwargs)
 
 
 def _region_inline(block: nn.Module, layout: str, recipe: str, *leaves):
     """The body run eagerly, or traced inline in the caller's frame (``regional=False``)."""
-    return _reparametrized(block, *_body_arguments(layout, recipe, leaves))
+    owners, weights, args, kwargs, copies = _body_arguments(layout, recipe, leaves)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # Run eagerly, each copy-out's node says at every backward which members have a
+        # gradient (see NOTE: parameters without a gradient, in block_call.py).
+        for flat, members in zip(block._mfsdp_region_flats.values(), copies):
+            if members[0].grad_fn is not None:
+                members[0].grad_fn.register_prehook(functools.partial(_note_reached, flat))
+    return _reparametrized(block, owners, weights, args, kwargs)
+
+
+def _note_reached(flat: nn.Parameter, grad_outputs: tuple) -> None:
+    note_graded(flat, tuple(g is not None for g in grad_outputs), traced=False)
+
+
+def _note_graded(self: nn.Module, graded: list[tuple[bool, ...]]) -> None:
+    """Tell the block's flats which members a compiled call's backward gives a gradient (its
+    fake run found it: ``graded`` has a tuple per gathered weight, flats first)."""
+    for flat, flags in zip(self._mfsdp_region_flats.values(), graded):
+        note_graded(flat, flags, traced=True)
 
 
 def _body_arguments(layout: str, recipe: str, leaves: tuple) -> tuple:
-    """A body's leaves as the block's owning submodules, their weights, and its forward's
-    arguments."""
+    """A body's leaves as the block's owning submodules, their weights, its forward's
+    arguments, and each flat's copied-out members."""
     n_args, names, widths = _call_layout_of(layout)
     unpacks, slots, owners = _recipe_of(recipe)
-    gathered, members = leaves[: widths[0]], []
+    gathered, members, copies = leaves[: widths[0]], [], []
     for full, (unpack, trims) in zip(gathered, unpacks):
         copied = torch.ops.fsdp_compile.split_gathered.default(full, *unpack)
+        copies.append(copied)
         members.extend(m if rows is None else m[:rows] for m, rows in zip(copied, trims))
     members.extend(gathered[len(unpacks) :])
     at, values = widths[0], []
@@ -259,7 +283,7 @@ def _body_arguments(layout: str, recipe: str, leaves: tuple) -> tuple:
         else:
             values.append(tuple(leaves[at : at + width]))
             at += width
-    return owners, [members[i] for i in slots], tuple(values[:n_args]), dict(zip(names, values[n_args:]))
+    return owners, [members[i] for i in slots], tuple(values[:n_args]), dict(zip(names, values[n_args:])), copies
 
 
 _NOT_OPENED = -1
@@ -303,23 +327,25 @@ def _call_layout_of(layout: str) -> tuple[int, tuple[str, ...], tuple[int, ...]]
 @torch._dynamo.assume_constant_result
 def _block_call(
     block_key: int, layout: str, recipe: str, is_tensor: tuple[bool, ...], constants: tuple, train: bool
-) -> int:
-    """The ``block_forward`` call of the block ``block_key`` (an index, see
-    fsdp_compile/block_call.py), or -1 where the body runs inline: outside a compile by
-    mfsdp, or under ``options={"regional": False}`` (run, not traced, by Dynamo).
-    ``constants``: the values of the leaves ``is_tensor`` does not mark, in order."""
+) -> tuple[int, bool]:
+    """The call of the block ``block_key`` (an index, see fsdp_compile/block_call.py), and
+    whether its body runs inline (run, not traced, by Dynamo): outside a compile by mfsdp
+    (no call: -1), or under ``options={"regional": False}``, where a training call is
+    recorded only for its fake run (``BLOCK_GRADED``). ``constants``: the values of the
+    leaves ``is_tensor`` does not mark, in order."""
     from fsdp_compile.backend import compiling_backend  # the backend builds on the regions
 
     backend = compiling_backend()
-    if backend is None or not backend.options.regional:
-        return -1
+    if backend is None or (not backend.options.regional and not train):
+        return -1, True
     block = _BLOCKS[block_key]
     name, body = _body_for(block)
     values = iter(constants)
-    return register_call(BlockCall(
+    call = register_call(BlockCall(
         block=weakref.ref(block), body=body, name=name, layout=layout, recipe=recipe,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
     ))
+    return call, not backend.options.regional
 
 
 @torch._dynamo.assume_constant_result
@@ -459,6 +485,7 @@ def _make_region(block: nn.Module, layout: RegionLayout, path: str) -> None:
                 "_mfsdp_region_forward": cls.forward,
                 "_mfsdp_region_base": cls,
                 "_apply": _refresh_params,
+                "_mfsdp_note_graded": _note_graded,
             },
         )
     block.__class__ = _REGION_CLASSES[cls]

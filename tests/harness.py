@@ -315,7 +315,9 @@ def accumulate_run(rank, world, *, cfg, mode, **shard_options):
     from fsdp_compile.patterns import count_collectives
 
     reference = build_model(cfg)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    # Micro-batches summed locally, then reduced, against one batch: another summation order
+    # (see SUMMATION_ORDER_EPS).
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=SUMMATION_ORDER_EPS)
     ref_losses = []
     for step in range(ACCUMULATION_STEPS):
         parts = [_micro_batch(cfg, step, j, r) for j in range(MICRO_BATCHES) for r in range(world)]
@@ -329,7 +331,7 @@ def accumulate_run(rank, world, *, cfg, mode, **shard_options):
     model = fully_shard(build_model(cfg), **with_meshes(shard_options))
     backend = MfsdpBackend(compiler=mode) if mode != "none" else None
     forward = torch.compile(model, backend=backend) if backend else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=SUMMATION_ORDER_EPS)
     losses = []
     for step in range(ACCUMULATION_STEPS):
         total = torch.zeros(())
@@ -419,7 +421,11 @@ def checkpoint_resume_run(rank, world, *, cfg, path, **shard_options):
     model, forward, opt = checkpoint_setup(cfg, seed=1, **shard_options)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    # torch's get_state_dict gives a fresh optimizer state for every parameter (a step with
+    # zero gradients), while the saved one holds none for a parameter that never had a
+    # gradient (``idle_params``): that state is left as initialised. Any other missing key
+    # shows in the losses, the resumed run starting from other weights.
+    dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return _checkpoint_steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
 

@@ -65,8 +65,10 @@ MAX_NORM = 0.05
 """Below the test models' gradient norms, so clipping scales every step."""
 DROPOUT_SEED = 7
 """Rank r's random stream in the dropout checks starts from ``DROPOUT_SEED + r``."""
-DENSE = TransformerConfig()
-MOE = moe_config(fused=True)
+# Each block holds parameters autograd gives no gradient (``idle_params``): every API must
+# leave their .grad None and the optimizer must not move them, on every layout.
+DENSE = TransformerConfig(idle_params=True)
+MOE = moe_config(fused=True, idle_params=True)
 
 
 @dataclass(frozen=True)

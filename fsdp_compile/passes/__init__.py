@@ -2,7 +2,7 @@
 
 Order (see ``fsdp_compile.pipeline.build_pipeline``):
   Dynamo graph:  (check_graph_breaks, only with options["cuda_graph"])
-                 -> dedupe_unshards -> check_rank_agreement
+                 -> drop_block_probes -> dedupe_unshards -> check_rank_agreement
   joint graph:   constant_opaque_outputs -> lower_collectives -> reshard -> save_block_rng
                  -> (min-cut partition)
   partitioned:   replay_block_rng -> bucket_collectives -> schedule_collectives (forward
@@ -18,6 +18,7 @@ from fsdp_compile.passes.constant_opaque_outputs import (
     check_constant_opaque_outputs,
     constant_opaque_outputs,
 )
+from fsdp_compile.passes.drop_block_probes import check_drop_block_probes, drop_block_probes
 from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_unshards
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
 from fsdp_compile.passes.replay_block_rng import check_replay_block_rng, replay_block_rng
@@ -41,6 +42,8 @@ __all__ = [
     "CudaGraphIncompatible",
     "check_graph_breaks",
     "GraphBreakUnderCudaGraph",
+    "drop_block_probes",
+    "check_drop_block_probes",
     "dedupe_unshards",
     "check_dedupe_unshards",
     "constant_opaque_outputs",

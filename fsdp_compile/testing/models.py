@@ -45,6 +45,10 @@ class TransformerConfig:
     """Expert capacity = ceil(capacity_factor * tokens * top_k / n_experts); overflow is dropped."""
     fused_experts: bool = True
     """Experts as 3-D weights in one grouped-GEMM Function (True) or a ModuleList (False)."""
+    idle_params: bool = False
+    """Give each block two trainable parameters autograd gives no gradient: a linear read only
+    under ``torch.no_grad()`` (a gate on the attention branch) and a vector never read. In
+    the unsharded model their ``.grad`` stays None, so AdamW neither decays nor moves them."""
     expert_parallel: bool = False
     """Mark each MoE's experts ``expert_parallel_enabled``: ``fully_shard(..., expert_mesh=...)``
     gives each EP rank its experts and tokens travel to them by all-to-all."""
@@ -224,10 +228,19 @@ class Block(nn.Module):
         # None, not a float attribute read in forward: under dynamic=True Dynamo compiled
         # the body twice for that float.
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else None
+        self.gate = nn.Linear(cfg.dim, 1) if cfg.idle_params else None
+        self.unread = nn.Parameter(torch.randn(cfg.dim)) if cfg.idle_params else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.attn_norm(x)))
+        x = x + self._drop(self._gated(self.attn(self.attn_norm(x)), x))
         return x + self._drop(self.mlp(self.mlp_norm(x)))
+
+    def _gated(self, branch: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is None:
+            return branch
+        with torch.no_grad():
+            gate = torch.sigmoid(self.gate(x))
+        return branch * gate
 
     def _drop(self, branch: torch.Tensor) -> torch.Tensor:
         return branch if self.dropout is None else self.dropout(branch)
