@@ -1,5 +1,6 @@
 """The misuse catalogue (docs/misuse.md): mistakes not covered in test_errors.py and
-test_cuda_graph_check.py. Each raises one ValueError naming the fix, before any collective."""
+test_cuda_graph_check.py. Each raises one ValueError naming the fix, before any collective.
+Tests are in the structure tier unless marked multirank."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.capture import _copy_into
 from harness import fake_process_group
 
-pytestmark = pytest.mark.structure
 
-
+@pytest.mark.structure
 def test_optimizer_built_before_fully_shard():
     """It would hold the replaced tensors and silently update nothing."""
     with fake_process_group(2):
@@ -26,6 +26,7 @@ def test_optimizer_built_before_fully_shard():
             opt.step()
 
 
+@pytest.mark.structure
 def test_optimizer_built_after_fully_shard_is_fine():
     with fake_process_group(2):
         model = fully_shard(nn.Linear(4, 4))
@@ -34,6 +35,7 @@ def test_optimizer_built_after_fully_shard_is_fine():
         opt.step()
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_parameter_replaced_after_sharding(compiled):
     with fake_process_group(2):
@@ -44,6 +46,7 @@ def test_parameter_replaced_after_sharding(compiled):
             forward(torch.randn(2, 4))
 
 
+@pytest.mark.structure
 def test_zero_dim_parameter():
     model = nn.Linear(4, 4)
     model.scale = nn.Parameter(torch.tensor(1.0))
@@ -52,6 +55,7 @@ def test_zero_dim_parameter():
             fully_shard(model)
 
 
+@pytest.mark.structure
 def test_three_dimensional_mesh():
     with fake_process_group(8):
         mesh = init_device_mesh("cpu", (2, 2, 2))
@@ -59,18 +63,21 @@ def test_three_dimensional_mesh():
             fully_shard(nn.Linear(4, 4), mesh=mesh)
 
 
+@pytest.mark.structure
 def test_unknown_strategy():
     with fake_process_group(2):
         with pytest.raises(ValueError, match="unknown strategy 'zero3'.*optim_grads_params"):
             fully_shard(nn.Linear(4, 4), strategy="zero3")
 
 
+@pytest.mark.structure
 def test_reshard_with_a_strategy_that_keeps_parameters_gathered():
     with fake_process_group(2):
         with pytest.raises(ValueError, match="reshard_after_forward=True contradicts"):
             fully_shard(nn.Linear(4, 4), strategy="optim_grads", reshard_after_forward=True)
 
 
+@pytest.mark.structure
 def test_no_shard_on_a_2d_mesh():
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", (2, 2))
@@ -78,6 +85,7 @@ def test_no_shard_on_a_2d_mesh():
             fully_shard(nn.Linear(4, 4), mesh=mesh, strategy="no_shard")
 
 
+@pytest.mark.structure
 def test_gradient_sync_flag_that_is_not_a_bool():
     with fake_process_group(2):
         model = fully_shard(nn.Linear(4, 4))
@@ -85,6 +93,7 @@ def test_gradient_sync_flag_that_is_not_a_bool():
             model.set_requires_gradient_sync(0)
 
 
+@pytest.mark.structure
 def test_mp_policy_of_the_wrong_type():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -93,6 +102,7 @@ def test_mp_policy_of_the_wrong_type():
             fully_shard(nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -105,6 +115,7 @@ def test_bad_backend_option_values(options, message):
         MfsdpBackend(**options)
 
 
+@pytest.mark.structure
 def test_captured_step_called_with_another_shape():
     with pytest.raises(ValueError, match="capture once per shape"):
         _copy_into(torch.zeros(2, 8), torch.zeros(3, 8))
