@@ -71,6 +71,18 @@ class MixedPrecision:
                     f"MixedPrecision.{field_name} must be a floating torch.dtype such as "
                     f"torch.bfloat16, got {dtype!r}."
                 )
+            # float8 (any variant) and float4: no collective reduces them and no matmul
+            # computes in them; torchao's float8 linears gather float8 weights themselves.
+            if dtype is not None and dtype.itemsize < 2:
+                raise UsageError(
+                    f"MixedPrecision.{field_name}={dtype} is narrower than 16 bits: gathers, "
+                    "gradient reductions and the compute cannot run in it. Float8 training "
+                    "goes through torchao: convert_to_float8_training(model, config="
+                    "Float8LinearConfig(enable_fsdp_float8_all_gather=True)) before fully_shard "
+                    "gathers the converted weights in float8 (docs/user_guide.md, \"Float8 "
+                    f"training\"); {field_name} must be a float of 16 bits or more, such as "
+                    "torch.bfloat16."
+                )
         narrower = (
             self.param_dtype is not None
             and self.reduce_dtype is not None

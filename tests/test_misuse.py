@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
 from fsdp_compile.capture import _copy_into
 from harness import fake_process_group
 
@@ -119,3 +119,24 @@ def test_bad_backend_option_values(options, message):
 def test_captured_step_called_with_another_shape():
     with pytest.raises(ValueError, match="capture once per shape"):
         _copy_into(torch.zeros(2, 8), torch.zeros(3, 8))
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype"])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+        torch.float8_e8m0fnu,
+        torch.float4_e2m1fn_x2,
+    ],
+    ids=str,
+)
+def test_mixed_precision_narrower_than_16_bits(field, dtype):
+    """Accepted, it failed inside the compiled step's all-gather, after the collective was
+    issued (gloo: "Invalid scalar type")."""
+    with pytest.raises(ValueError, match="torchao.*enable_fsdp_float8_all_gather=True.*torch.bfloat16"):
+        MixedPrecision(**{field: dtype})
