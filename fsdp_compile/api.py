@@ -174,6 +174,11 @@ def is_fully_sharded(module: nn.Module) -> bool:
     return getattr(module, "_mfsdp_unit", None) is not None
 
 
+def _class_name(module: nn.Module) -> str:
+    """The name of the class ``module`` was built as, not of the subclass fully_shard gave it."""
+    return getattr(type(module), "_mfsdp_base", type(module)).__name__
+
+
 def _default_mesh(module: nn.Module) -> DeviceMesh:
     if not dist.is_available() or not dist.is_initialized():
         raise UsageError(
@@ -199,6 +204,15 @@ def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
         raise UsageError(
             f"fully_shard was already called on this {type(module).__name__}; call it once per "
             "module (submodules first, then the root)."
+        )
+    owned = _sharded_by_an_enclosing_call(module)
+    if owned is not None:
+        name, info = owned
+        raise UsageError(
+            f"fully_shard on this {_class_name(module)} comes after fully_shard on a module "
+            f"enclosing it, which already sharded its parameter {name!r} (unit {info.unit}) "
+            "and stays its owner. Call fully_shard on submodules first, then on the root (the "
+            "order FSDP2 takes too)."
         )
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise UsageError(
@@ -228,6 +242,31 @@ def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
                 f"parameter {name!r} is a 0-dim scalar and cannot be sharded on dim 0; give it "
                 "shape [1] instead."
             )
+
+
+def _sharded_by_an_enclosing_call(module: nn.Module) -> tuple[str, ShardInfo] | None:
+    """A parameter under ``module`` (its name and record) that a ``fully_shard`` call on a
+    module enclosing ``module`` sharded; None if there is none.
+
+    Sharded parameters belong under ``module`` only inside its units, the submodules earlier
+    calls were given (with the expert-parallel and tied parameters those calls sharded). A
+    tie's other end outside them still holds the unsharded original, which forwards to the
+    shard (``_mfsdp_sharded_as``). So one reached through no unit was sharded by a call on a
+    module around ``module``, and ``_managed_params`` would skip it: the call would do nothing.
+    """
+    pending = [("", module, False)]
+    while pending:
+        prefix, submodule, in_unit = pending.pop()
+        in_unit = in_unit or (submodule is not module and is_fully_sharded(submodule))
+        if not in_unit:
+            for name, param in submodule._parameters.items():
+                info = shard_info(param)
+                if info is not None:
+                    return prefix + name, info
+        pending.extend(
+            (f"{prefix}{name}.", child, in_unit) for name, child in submodule._modules.items() if child is not None
+        )
+    return None
 
 
 def _managed_params(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
@@ -529,7 +568,8 @@ def fully_shard(
 
     ``mesh`` is 1-D, or 2-D ``(replicate, shard)`` for HSDP: gathers and reduce-scatters stay
     in the shard dimension, gradients are then all-reduced across the replicate dimension.
-    Call it on submodules first (each call is a unit, a bucketing hint), then on the root.
+    Call it on submodules first (each call is a unit, a bucketing hint), then on the root; a
+    call on a submodule after its root is refused.
     Parameters become DTensors (``Shard(0)``, or ``Replicate()`` for no_shard) holding this
     rank's rows; buffers stay replicated. Reads of a sharded attribute return the full tensor,
     gathered; its gradient is averaged over the mesh and lands as ``.grad`` with the

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
+from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard, shard_info
 from fsdp_compile.capture import _copy_into
 from harness import fake_process_group
 
@@ -140,3 +140,28 @@ def test_mixed_precision_narrower_than_16_bits(field, dtype):
     issued (gloo: "Invalid scalar type")."""
     with pytest.raises(ValueError, match="torchao.*enable_fsdp_float8_all_gather=True.*torch.bfloat16"):
         MixedPrecision(**{field: dtype})
+
+
+@pytest.mark.structure
+def test_fully_shard_on_a_submodule_after_its_root():
+    """The root's call already owns the submodule's parameters: the later call did nothing,
+    silently, where the user meant a unit of its own."""
+    with fake_process_group(2):
+        model = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+        with pytest.raises(ValueError, match="'weight' .*Call fully_shard on submodules first, then on the root"):
+            fully_shard(model[0])
+
+
+@pytest.mark.structure
+def test_units_whose_parameters_are_already_sharded_are_accepted():
+    """Submodules first, then the root: a module whose only parameter is tied to one an earlier
+    sibling call sharded, and a root holding only its units' parameters, are no such mistake."""
+    with fake_process_group(2):
+        embed, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+        head.weight = embed.weight
+        model = nn.Sequential(embed, head)
+        fully_shard(embed)
+        fully_shard(head)
+        fully_shard(model)
+        assert head._parameters["weight"] is embed._parameters["weight"]
+        assert shard_info(embed._parameters["weight"]).unit.startswith("Embedding#")
