@@ -224,6 +224,8 @@ def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
             f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard) for HSDP, "
             f"got a {mesh.ndim}-D mesh {mesh}."
         )
+    if mesh is not None:
+        _check_mesh_holds_every_rank(mesh)
     devices = {p.device for p in module.parameters() if not isinstance(p, DTensor)}
     if len(devices) > 1:
         raise UsageError(
@@ -242,6 +244,36 @@ def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
                 f"parameter {name!r} is a 0-dim scalar and cannot be sharded on dim 0; give it "
                 "shape [1] instead."
             )
+
+
+def _check_mesh_holds_every_rank(mesh: DeviceMesh) -> None:
+    """Refuse, on every rank and without communicating, a mesh that leaves ranks of the job out.
+
+    A rank outside the mesh sees it: it has no coordinate in it. A rank inside cannot see which
+    mesh the others were given, so the rule is one each rank checks alone: the mesh holds every
+    rank, itself or as a dimension of a mesh that does (``mesh["dp"]`` of a ``(dp, tp)`` mesh
+    over the world is one mesh per group of ranks, every rank in one of them).
+    ``DeviceMesh("cpu", [0])`` in a two-rank job breaks it on both ranks: rank 1 is outside,
+    and rank 0's mesh was cut from no mesh that holds rank 1.
+    """
+    world = dist.get_world_size()
+    fix = (
+        f"Leave mesh unset (all {world} ranks), or build it over every rank: "
+        f"init_device_mesh({mesh.device_type!r}, ({world},)), or a dimension of such a mesh."
+    )
+    if mesh.get_coordinate() is None:
+        raise UsageError(
+            f"rank {dist.get_rank()} is not in the mesh given to fully_shard (ranks "
+            f"{mesh.mesh.tolist()}); every rank of the job must be. {fix}"
+        )
+    if mesh.size() == world:
+        return
+    root = mesh._get_root_mesh()  # the mesh it was cut from, or itself (no public spelling)
+    if root.size() != world:
+        raise UsageError(
+            f"the mesh given to fully_shard holds ranks {root.mesh.tolist()}, {root.size()} of "
+            f"the job's {world}; the ranks outside it would not train with these. {fix}"
+        )
 
 
 def _sharded_by_an_enclosing_call(module: nn.Module) -> tuple[str, ShardInfo] | None:
@@ -568,8 +600,10 @@ def fully_shard(
 
     ``mesh`` is 1-D, or 2-D ``(replicate, shard)`` for HSDP: gathers and reduce-scatters stay
     in the shard dimension, gradients are then all-reduced across the replicate dimension.
-    Call it on submodules first (each call is a unit, a bucketing hint), then on the root; a
-    call on a submodule after its root is refused.
+    It holds every rank of the job, itself or as a dimension of a mesh that does (``mesh["dp"]``
+    of a ``(dp, tp)`` mesh): a mesh leaving ranks out is refused on every rank (see
+    ``_check_mesh_holds_every_rank``). Call it on submodules first (each call is a unit, a
+    bucketing hint), then on the root; a call on a submodule after its root is refused.
     Parameters become DTensors (``Shard(0)``, or ``Replicate()`` for no_shard) holding this
     rank's rows; buffers stay replicated. Reads of a sharded attribute return the full tensor,
     gathered; its gradient is averaged over the mesh and lands as ``.grad`` with the

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard, shard_info
+from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard, shard_info
 from fsdp_compile.capture import _copy_into
-from harness import fake_process_group
+from harness import fake_process_group, spawn
 
 
 @pytest.mark.structure
@@ -165,3 +165,31 @@ def test_units_whose_parameters_are_already_sharded_are_accepted():
         fully_shard(model)
         assert head._parameters["weight"] is embed._parameters["weight"]
         assert shard_info(embed._parameters["weight"]).unit.startswith("Embedding#")
+
+
+def _shard_over_a_mesh_of_rank_0(rank, world):
+    try:
+        fully_shard(nn.Linear(4, 4), mesh=DeviceMesh("cpu", [0]))
+    except UsageError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_mesh_without_every_rank():
+    """Rank 1, outside the mesh, failed in DeviceMesh.get_group (IndexError) and rank 0 went on
+    to train alone: both refuse it, without communicating, so neither waits for the other."""
+    inside, outside = spawn(_shard_over_a_mesh_of_rank_0, 2, timeout=120)
+    assert "holds ranks [0], 1 of the job's 2" in inside, inside
+    assert "rank 1 is not in the mesh" in outside, outside
+    for message in (inside, outside):
+        assert "init_device_mesh('cpu', (2,))" in message, message
+
+
+@pytest.mark.structure
+def test_a_dimension_of_a_mesh_over_every_rank_is_accepted():
+    """mesh["dp"] of a (dp, tp) mesh holds some ranks, and every rank is in one such mesh."""
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = fully_shard(nn.Linear(4, 4), mesh=mesh["dp"])
+        assert shard_info(model._parameters["weight"]).world == 2
