@@ -554,6 +554,43 @@ def _reshard_wrapped_units(module: nn.Module) -> None:
                 param._mfsdp = dataclasses.replace(info, reshard_after_forward=True)
 
 
+def _check_materialised_at_the_outermost_unit(module: nn.Module) -> None:
+    """``_refuse_meta_parameters`` runs before the forward of ``module``, and no longer before
+    those of the units inside it: once a step, from the module it is called on."""
+    for unit_module in module.modules():
+        handle = unit_module.__dict__.pop("_mfsdp_meta_check", None)
+        if handle is not None:
+            handle.remove()
+    module._mfsdp_meta_check = module.register_forward_pre_hook(
+        _refuse_meta_parameters, prepend=True, with_kwargs=True
+    )
+
+
+def _refuse_meta_parameters(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse a forward on real inputs while the parameters are still on the meta device.
+
+    A model built under ``torch.device("meta")`` and sharded is materialised with
+    ``to_empty``; forgotten, its first op fails on two devices (Dynamo's device mismatch when
+    compiled), naming neither the meta device nor the fix. Checked before the forward reads a
+    parameter, so on every rank before any collective. A forward on meta inputs is no mistake:
+    ``fsdp_compile.simulate`` traces such steps. One parameter stands for all: ``to_empty``
+    materialises the whole model.
+    """
+    param = next(module.parameters(), None)
+    if param is None or param.device.type != "meta":
+        return
+    inputs = (*args, *kwargs.values())
+    device = next((v.device for v in inputs if isinstance(v, torch.Tensor) and v.device.type != "meta"), None)
+    if device is not None:
+        raise UsageError(
+            f"the parameters of this {_class_name(module)} are still on the meta device, its "
+            f"inputs on {device}: materialise the model after fully_shard, "
+            f"model.to_empty(device={device.type!r}), then load its weights "
+            "(set_model_state_dict) or initialise the parameters in place (docs/user_guide.md, "
+            "\"meta-device init\")."
+        )
+
+
 def _float8_weights(module: nn.Module, strategy: str, experts) -> dict[int, Float8Gather]:
     """The float8 record of each float8 weight ``module`` holds, by parameter identity;
     checked here, before any process group is touched."""
@@ -611,7 +648,9 @@ def fully_shard(
     parameter after forward and gathers again in backward: ``True`` for every parameter of the
     unit, ``False`` for none; the default ``None`` frees those in repeated blocks and in
     wrapped units and keeps the root's own, as FSDP2 keeps its root (NOTE: the reshard
-    default). ``mp_policy`` sets the dtypes of the gather and of the gradient reduction.
+    default). ``mp_policy`` sets the dtypes of the gather and of the gradient reduction. A
+    model built on the meta device is materialised after this call (``module.to_empty``); a
+    forward on real inputs before that is refused (``_refuse_meta_parameters``).
 
     Modules marked ``expert_parallel_enabled = True`` are owned by expert parallelism over
     ``expert_mesh`` (``fsdp_compile.expert_mesh``; see fsdp_compile/expert_parallel.py and
@@ -681,6 +720,7 @@ def fully_shard(
             # The unit's own module gets the class too, for set_requires_gradient_sync.
             _install_properties(submodule, names)
     _reshard_wrapped_units(module)
+    _check_materialised_at_the_outermost_unit(module)
     from fsdp_compile.regions import install_regions  # regions build on this module
 
     install_regions(module)

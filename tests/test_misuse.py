@@ -193,3 +193,31 @@ def test_a_dimension_of_a_mesh_over_every_rank_is_accepted():
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         model = fully_shard(nn.Linear(4, 4), mesh=mesh["dp"])
         assert shard_info(model._parameters["weight"]).world == 2
+
+
+def _meta_model_in_units():
+    """Built on the meta device and sharded as docs/user_guide.md shows, blocks first."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for block in model:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_meta_model_never_materialised(compiled):
+    """Its first op failed on two devices (compiled: Dynamo's "found at least two devices, cpu
+    and meta!"), with no word of to_empty."""
+    with fake_process_group(2):
+        model = _meta_model_in_units()
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        with pytest.raises(ValueError, match=r"still on the meta device.*model\.to_empty\(device='cpu'\)"):
+            forward(torch.randn(2, 4))
+
+
+@pytest.mark.structure
+def test_meta_model_on_meta_inputs_is_no_mistake():
+    """A step on meta inputs is what fsdp_compile.simulate traces (compiled: test_simulate.py)."""
+    with fake_process_group(2):
+        assert _meta_model_in_units()(torch.randn(2, 4, device="meta")).is_meta
