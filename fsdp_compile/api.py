@@ -71,6 +71,18 @@ class MixedPrecision:
                     f"MixedPrecision.{field_name} must be a floating torch.dtype such as "
                     f"torch.bfloat16, got {dtype!r}."
                 )
+            # float8 (any variant) and float4: no collective reduces them and no matmul
+            # computes in them; torchao's float8 linears gather float8 weights themselves.
+            if dtype is not None and dtype.itemsize < 2:
+                raise UsageError(
+                    f"MixedPrecision.{field_name}={dtype} is narrower than 16 bits: gathers, "
+                    "gradient reductions and the compute cannot run in it. Float8 training "
+                    "goes through torchao: convert_to_float8_training(model, config="
+                    "Float8LinearConfig(enable_fsdp_float8_all_gather=True)) before fully_shard "
+                    "gathers the converted weights in float8 (docs/user_guide.md, \"Float8 "
+                    f"training\"); {field_name} must be a float of 16 bits or more, such as "
+                    "torch.bfloat16."
+                )
         narrower = (
             self.param_dtype is not None
             and self.reduce_dtype is not None
@@ -162,6 +174,11 @@ def is_fully_sharded(module: nn.Module) -> bool:
     return getattr(module, "_mfsdp_unit", None) is not None
 
 
+def _class_name(module: nn.Module) -> str:
+    """The name of the class ``module`` was built as, not of the subclass fully_shard gave it."""
+    return getattr(type(module), "_mfsdp_base", type(module)).__name__
+
+
 def _default_mesh(module: nn.Module) -> DeviceMesh:
     if not dist.is_available() or not dist.is_initialized():
         raise UsageError(
@@ -188,6 +205,15 @@ def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
             f"fully_shard was already called on this {type(module).__name__}; call it once per "
             "module (submodules first, then the root)."
         )
+    owned = _sharded_by_an_enclosing_call(module)
+    if owned is not None:
+        name, info = owned
+        raise UsageError(
+            f"fully_shard on this {_class_name(module)} comes after fully_shard on a module "
+            f"enclosing it, which already sharded its parameter {name!r} (unit {info.unit}) "
+            "and stays its owner. Call fully_shard on submodules first, then on the root (the "
+            "order FSDP2 takes too)."
+        )
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise UsageError(
             f"mesh must be a DeviceMesh (torch.distributed.device_mesh.init_device_mesh), got "
@@ -198,6 +224,8 @@ def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
             f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard) for HSDP, "
             f"got a {mesh.ndim}-D mesh {mesh}."
         )
+    if mesh is not None:
+        _check_mesh_holds_every_rank(mesh)
     devices = {p.device for p in module.parameters() if not isinstance(p, DTensor)}
     if len(devices) > 1:
         raise UsageError(
@@ -216,6 +244,61 @@ def _check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
                 f"parameter {name!r} is a 0-dim scalar and cannot be sharded on dim 0; give it "
                 "shape [1] instead."
             )
+
+
+def _check_mesh_holds_every_rank(mesh: DeviceMesh) -> None:
+    """Refuse, on every rank and without communicating, a mesh that leaves ranks of the job out.
+
+    A rank outside the mesh sees it: it has no coordinate in it. A rank inside cannot see which
+    mesh the others were given, so the rule is one each rank checks alone: the mesh holds every
+    rank, itself or as a dimension of a mesh that does (``mesh["dp"]`` of a ``(dp, tp)`` mesh
+    over the world is one mesh per group of ranks, every rank in one of them).
+    ``DeviceMesh("cpu", [0])`` in a two-rank job breaks it on both ranks: rank 1 is outside,
+    and rank 0's mesh was cut from no mesh that holds rank 1.
+    """
+    world = dist.get_world_size()
+    fix = (
+        f"Leave mesh unset (all {world} ranks), or build it over every rank: "
+        f"init_device_mesh({mesh.device_type!r}, ({world},)), or a dimension of such a mesh."
+    )
+    if mesh.get_coordinate() is None:
+        raise UsageError(
+            f"rank {dist.get_rank()} is not in the mesh given to fully_shard (ranks "
+            f"{mesh.mesh.tolist()}); every rank of the job must be. {fix}"
+        )
+    if mesh.size() == world:
+        return
+    root = mesh._get_root_mesh()  # the mesh it was cut from, or itself (no public spelling)
+    if root.size() != world:
+        raise UsageError(
+            f"the mesh given to fully_shard holds ranks {root.mesh.tolist()}, {root.size()} of "
+            f"the job's {world}; the ranks outside it would not train with these. {fix}"
+        )
+
+
+def _sharded_by_an_enclosing_call(module: nn.Module) -> tuple[str, ShardInfo] | None:
+    """A parameter under ``module`` (its name and record) that a ``fully_shard`` call on a
+    module enclosing ``module`` sharded; None if there is none.
+
+    Sharded parameters belong under ``module`` only inside its units, the submodules earlier
+    calls were given (with the expert-parallel and tied parameters those calls sharded). A
+    tie's other end outside them still holds the unsharded original, which forwards to the
+    shard (``_mfsdp_sharded_as``). So one reached through no unit was sharded by a call on a
+    module around ``module``, and ``_managed_params`` would skip it: the call would do nothing.
+    """
+    pending = [("", module, False)]
+    while pending:
+        prefix, submodule, in_unit = pending.pop()
+        in_unit = in_unit or (submodule is not module and is_fully_sharded(submodule))
+        if not in_unit:
+            for name, param in submodule._parameters.items():
+                info = shard_info(param)
+                if info is not None:
+                    return prefix + name, info
+        pending.extend(
+            (f"{prefix}{name}.", child, in_unit) for name, child in submodule._modules.items() if child is not None
+        )
+    return None
 
 
 def _managed_params(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
@@ -471,6 +554,43 @@ def _reshard_wrapped_units(module: nn.Module) -> None:
                 param._mfsdp = dataclasses.replace(info, reshard_after_forward=True)
 
 
+def _check_materialised_at_the_outermost_unit(module: nn.Module) -> None:
+    """``_refuse_meta_parameters`` runs before the forward of ``module``, and no longer before
+    those of the units inside it: once a step, from the module it is called on."""
+    for unit_module in module.modules():
+        handle = unit_module.__dict__.pop("_mfsdp_meta_check", None)
+        if handle is not None:
+            handle.remove()
+    module._mfsdp_meta_check = module.register_forward_pre_hook(
+        _refuse_meta_parameters, prepend=True, with_kwargs=True
+    )
+
+
+def _refuse_meta_parameters(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse a forward on real inputs while the parameters are still on the meta device.
+
+    A model built under ``torch.device("meta")`` and sharded is materialised with
+    ``to_empty``; forgotten, its first op fails on two devices (Dynamo's device mismatch when
+    compiled), naming neither the meta device nor the fix. Checked before the forward reads a
+    parameter, so on every rank before any collective. A forward on meta inputs is no mistake:
+    ``fsdp_compile.simulate`` traces such steps. One parameter stands for all: ``to_empty``
+    materialises the whole model.
+    """
+    param = next(module.parameters(), None)
+    if param is None or param.device.type != "meta":
+        return
+    inputs = (*args, *kwargs.values())
+    device = next((v.device for v in inputs if isinstance(v, torch.Tensor) and v.device.type != "meta"), None)
+    if device is not None:
+        raise UsageError(
+            f"the parameters of this {_class_name(module)} are still on the meta device, its "
+            f"inputs on {device}: materialise the model after fully_shard, "
+            f"model.to_empty(device={device.type!r}), then load its weights "
+            "(set_model_state_dict) or initialise the parameters in place (docs/user_guide.md, "
+            "\"meta-device init\")."
+        )
+
+
 def _float8_weights(module: nn.Module, strategy: str, experts) -> dict[int, Float8Gather]:
     """The float8 record of each float8 weight ``module`` holds, by parameter identity;
     checked here, before any process group is touched."""
@@ -517,7 +637,10 @@ def fully_shard(
 
     ``mesh`` is 1-D, or 2-D ``(replicate, shard)`` for HSDP: gathers and reduce-scatters stay
     in the shard dimension, gradients are then all-reduced across the replicate dimension.
-    Call it on submodules first (each call is a unit, a bucketing hint), then on the root.
+    It holds every rank of the job, itself or as a dimension of a mesh that does (``mesh["dp"]``
+    of a ``(dp, tp)`` mesh): a mesh leaving ranks out is refused on every rank (see
+    ``_check_mesh_holds_every_rank``). Call it on submodules first (each call is a unit, a
+    bucketing hint), then on the root; a call on a submodule after its root is refused.
     Parameters become DTensors (``Shard(0)``, or ``Replicate()`` for no_shard) holding this
     rank's rows; buffers stay replicated. Reads of a sharded attribute return the full tensor,
     gathered; its gradient is averaged over the mesh and lands as ``.grad`` with the
@@ -525,7 +648,9 @@ def fully_shard(
     parameter after forward and gathers again in backward: ``True`` for every parameter of the
     unit, ``False`` for none; the default ``None`` frees those in repeated blocks and in
     wrapped units and keeps the root's own, as FSDP2 keeps its root (NOTE: the reshard
-    default). ``mp_policy`` sets the dtypes of the gather and of the gradient reduction.
+    default). ``mp_policy`` sets the dtypes of the gather and of the gradient reduction. A
+    model built on the meta device is materialised after this call (``module.to_empty``); a
+    forward on real inputs before that is refused (``_refuse_meta_parameters``).
 
     Modules marked ``expert_parallel_enabled = True`` are owned by expert parallelism over
     ``expert_mesh`` (``fsdp_compile.expert_mesh``; see fsdp_compile/expert_parallel.py and
@@ -595,6 +720,7 @@ def fully_shard(
             # The unit's own module gets the class too, for set_requires_gradient_sync.
             _install_properties(submodule, names)
     _reshard_wrapped_units(module)
+    _check_materialised_at_the_outermost_unit(module)
     from fsdp_compile.regions import install_regions  # regions build on this module
 
     install_regions(module)

@@ -1,20 +1,20 @@
 """The misuse catalogue (docs/misuse.md): mistakes not covered in test_errors.py and
-test_cuda_graph_check.py. Each raises one ValueError naming the fix, before any collective."""
+test_cuda_graph_check.py. Each raises one ValueError naming the fix, before any collective.
+Tests are in the structure tier unless marked multirank."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard, shard_info
 from fsdp_compile.capture import _copy_into
-from harness import fake_process_group
-
-pytestmark = pytest.mark.structure
+from harness import fake_process_group, spawn
 
 
+@pytest.mark.structure
 def test_optimizer_built_before_fully_shard():
     """It would hold the replaced tensors and silently update nothing."""
     with fake_process_group(2):
@@ -26,6 +26,7 @@ def test_optimizer_built_before_fully_shard():
             opt.step()
 
 
+@pytest.mark.structure
 def test_optimizer_built_after_fully_shard_is_fine():
     with fake_process_group(2):
         model = fully_shard(nn.Linear(4, 4))
@@ -34,6 +35,7 @@ def test_optimizer_built_after_fully_shard_is_fine():
         opt.step()
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_parameter_replaced_after_sharding(compiled):
     with fake_process_group(2):
@@ -44,6 +46,7 @@ def test_parameter_replaced_after_sharding(compiled):
             forward(torch.randn(2, 4))
 
 
+@pytest.mark.structure
 def test_zero_dim_parameter():
     model = nn.Linear(4, 4)
     model.scale = nn.Parameter(torch.tensor(1.0))
@@ -52,6 +55,7 @@ def test_zero_dim_parameter():
             fully_shard(model)
 
 
+@pytest.mark.structure
 def test_three_dimensional_mesh():
     with fake_process_group(8):
         mesh = init_device_mesh("cpu", (2, 2, 2))
@@ -59,18 +63,21 @@ def test_three_dimensional_mesh():
             fully_shard(nn.Linear(4, 4), mesh=mesh)
 
 
+@pytest.mark.structure
 def test_unknown_strategy():
     with fake_process_group(2):
         with pytest.raises(ValueError, match="unknown strategy 'zero3'.*optim_grads_params"):
             fully_shard(nn.Linear(4, 4), strategy="zero3")
 
 
+@pytest.mark.structure
 def test_reshard_with_a_strategy_that_keeps_parameters_gathered():
     with fake_process_group(2):
         with pytest.raises(ValueError, match="reshard_after_forward=True contradicts"):
             fully_shard(nn.Linear(4, 4), strategy="optim_grads", reshard_after_forward=True)
 
 
+@pytest.mark.structure
 def test_no_shard_on_a_2d_mesh():
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", (2, 2))
@@ -78,6 +85,7 @@ def test_no_shard_on_a_2d_mesh():
             fully_shard(nn.Linear(4, 4), mesh=mesh, strategy="no_shard")
 
 
+@pytest.mark.structure
 def test_gradient_sync_flag_that_is_not_a_bool():
     with fake_process_group(2):
         model = fully_shard(nn.Linear(4, 4))
@@ -85,6 +93,7 @@ def test_gradient_sync_flag_that_is_not_a_bool():
             model.set_requires_gradient_sync(0)
 
 
+@pytest.mark.structure
 def test_mp_policy_of_the_wrong_type():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -93,6 +102,7 @@ def test_mp_policy_of_the_wrong_type():
             fully_shard(nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -105,6 +115,109 @@ def test_bad_backend_option_values(options, message):
         MfsdpBackend(**options)
 
 
+@pytest.mark.structure
 def test_captured_step_called_with_another_shape():
     with pytest.raises(ValueError, match="capture once per shape"):
         _copy_into(torch.zeros(2, 8), torch.zeros(3, 8))
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype"])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+        torch.float8_e8m0fnu,
+        torch.float4_e2m1fn_x2,
+    ],
+    ids=str,
+)
+def test_mixed_precision_narrower_than_16_bits(field, dtype):
+    """Accepted, it failed inside the compiled step's all-gather, after the collective was
+    issued (gloo: "Invalid scalar type")."""
+    with pytest.raises(ValueError, match="torchao.*enable_fsdp_float8_all_gather=True.*torch.bfloat16"):
+        MixedPrecision(**{field: dtype})
+
+
+@pytest.mark.structure
+def test_fully_shard_on_a_submodule_after_its_root():
+    """The root's call already owns the submodule's parameters: the later call did nothing,
+    silently, where the user meant a unit of its own."""
+    with fake_process_group(2):
+        model = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+        with pytest.raises(ValueError, match="'weight' .*Call fully_shard on submodules first, then on the root"):
+            fully_shard(model[0])
+
+
+@pytest.mark.structure
+def test_units_whose_parameters_are_already_sharded_are_accepted():
+    """Submodules first, then the root: a module whose only parameter is tied to one an earlier
+    sibling call sharded, and a root holding only its units' parameters, are no such mistake."""
+    with fake_process_group(2):
+        embed, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+        head.weight = embed.weight
+        model = nn.Sequential(embed, head)
+        fully_shard(embed)
+        fully_shard(head)
+        fully_shard(model)
+        assert head._parameters["weight"] is embed._parameters["weight"]
+        assert shard_info(embed._parameters["weight"]).unit.startswith("Embedding#")
+
+
+def _shard_over_a_mesh_of_rank_0(rank, world):
+    try:
+        fully_shard(nn.Linear(4, 4), mesh=DeviceMesh("cpu", [0]))
+    except UsageError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_mesh_without_every_rank():
+    """Rank 1, outside the mesh, failed in DeviceMesh.get_group (IndexError) and rank 0 went on
+    to train alone: both refuse it, without communicating, so neither waits for the other."""
+    inside, outside = spawn(_shard_over_a_mesh_of_rank_0, 2, timeout=120)
+    assert "holds ranks [0], 1 of the job's 2" in inside, inside
+    assert "rank 1 is not in the mesh" in outside, outside
+    for message in (inside, outside):
+        assert "init_device_mesh('cpu', (2,))" in message, message
+
+
+@pytest.mark.structure
+def test_a_dimension_of_a_mesh_over_every_rank_is_accepted():
+    """mesh["dp"] of a (dp, tp) mesh holds some ranks, and every rank is in one such mesh."""
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = fully_shard(nn.Linear(4, 4), mesh=mesh["dp"])
+        assert shard_info(model._parameters["weight"]).world == 2
+
+
+def _meta_model_in_units():
+    """Built on the meta device and sharded as docs/user_guide.md shows, blocks first."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for block in model:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_meta_model_never_materialised(compiled):
+    """Its first op failed on two devices (compiled: Dynamo's "found at least two devices, cpu
+    and meta!"), with no word of to_empty."""
+    with fake_process_group(2):
+        model = _meta_model_in_units()
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        with pytest.raises(ValueError, match=r"still on the meta device.*model\.to_empty\(device='cpu'\)"):
+            forward(torch.randn(2, 4))
+
+
+@pytest.mark.structure
+def test_meta_model_on_meta_inputs_is_no_mistake():
+    """A step on meta inputs is what fsdp_compile.simulate traces (compiled: test_simulate.py)."""
+    with fake_process_group(2):
+        assert _meta_model_in_units()(torch.randn(2, 4, device="meta")).is_meta
