@@ -91,6 +91,13 @@ def test_hf_preset_as_one_rank_of_a_fake_world(tmp_path):
     assert results["mfsdp"]["collectives"]["all_gather"] == results["fsdp2-compile"]["collectives"]["all_gather"] == 5
     assert results["mfsdp"]["collectives"]["reduce_scatter"] == 3
     assert results["mfsdp"]["params_m"] == results["fsdp2-compile"]["params_m"] > 0.5
+    # Both layers' attention, forward and backward, on one backend in both modes; what a
+    # step leaves for the next (weights, gradients, AdamW state) is within its peak.
+    assert results["mfsdp"]["attention_ops"] == results["fsdp2-compile"]["attention_ops"] == {
+        "flash": 2, "flash_backward": 2,
+    }  # fmt: skip
+    for r in results.values():
+        assert 0 < r["held_memory_mib"] <= r["peak_memory_mib"] and r["held_reserved_mib"] is None, r
     # Without --compile-cache every mode compiles cold: a fresh folder, nothing loaded.
     for r in results.values():
         assert r["compile_cache"]["folder"] is None
@@ -182,22 +189,112 @@ def test_compile_time_benchmark_measures_each_mode(tmp_path):
     assert rows["torch-regional"]["passes_s"] == rows["fsdp2-compile"]["passes_s"] == 0
 
 
-@pytest.mark.structure
-def test_kernel_census_sums_each_kernel_and_ranks_them():
-    """The GPU-only kernel line, on a stand-in for the profiler: device kernels summed by
-    name and ranked, host events left out, the profiled step's wall time kept beside them."""
+def _profiler_event(name, us, device_type=None):
+    """A stand-in for one ``torch.profiler`` event: a CUDA kernel unless ``device_type`` says."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
+    return SimpleNamespace(
+        name=name, device_type=device_type or DeviceType.CUDA, time_range=SimpleNamespace(elapsed_us=lambda: us)
+    )
+
+
+def _stand_in_profiler(events):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(events=lambda: events)
+
+
+@pytest.mark.structure
+def test_kernel_census_sums_each_kernel_and_ranks_them():
+    """The GPU-only kernel line, on a stand-in for the profiler: device kernels summed by
+    name and ranked, host events left out, the profiled step's wall time kept beside them."""
+    from torch.autograd import DeviceType
+
     from fsdp_compile.bench.comms import kernel_census
 
-    def event(name, us, device_type=DeviceType.CUDA):
-        return SimpleNamespace(name=name, device_type=device_type, time_range=SimpleNamespace(elapsed_us=lambda: us))
+    events = [
+        _profiler_event("gemm", 3000), _profiler_event("aten::mm", 9000, DeviceType.CPU),
+        _profiler_event("softmax", 500), _profiler_event("gemm", 2000),
+    ]  # fmt: skip
+    census = kernel_census(_stand_in_profiler(events), step_ms=12.0, top=1)
+    assert census == {"step_ms": 12.0, "kernel_ms": 5.5, "launches": 3, "top": {"gemm": [5.0, 2]}, "attention": {}}
 
-    events = [event("gemm", 3000), event("aten::mm", 9000, DeviceType.CPU), event("softmax", 500), event("gemm", 2000)]
-    census = kernel_census(SimpleNamespace(events=lambda: events), step_ms=12.0, top=1)
-    assert census == {"step_ms": 12.0, "kernel_ms": 5.5, "launches": 3, "top": {"gemm": [5.0, 2]}}
+
+# Kernel names as torch's CUDA sources make them (FlashAttention 2 vendored as pytorch_flash, the
+# memory-efficient kernels generated as fmha_cutlass*), template arguments shortened; not yet
+# checked against a profile from a GPU.
+_FLASH_FORWARD = (
+    "void pytorch_flash::flash_fwd_kernel<"
+    "Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>(pytorch_flash::Flash_fwd_params)"
+)
+_FLASH_BACKWARD = (
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<"
+    "Flash_bwd_kernel_traits<128>>(pytorch_flash::Flash_bwd_params)"
+)
+_EFFICIENT_FORWARD = (
+    "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+    "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)"
+)
+_EFFICIENT_BACKWARD = (
+    "fmha_cutlassB_bf16_aligned_128x64_k128_sm80(PyTorchMemEffAttentionBackward::AttentionBackwardKernel<"
+    "cutlass::arch::Sm80, cutlass::bfloat16_t, true, false, true, 128, 64, 128, false>::Params)"
+)
+
+
+@pytest.mark.structure
+def test_attention_backend_is_read_from_kernel_and_op_names_only_where_they_are_sdpa():
+    """Flash against memory-efficient attention is the first thing the GPU rows check
+    (issue #36: a mask turns flash off). A name that merely mentions a backend must not count:
+    Inductor names a kernel that pads the mask after the SDPA op it feeds, and the inner ATen
+    op of an SDPA call would count that call twice."""
+    from fsdp_compile.bench.comms import attention_backend
+
+    assert attention_backend(_FLASH_FORWARD) == attention_backend(_FLASH_BACKWARD) == "flash"
+    assert attention_backend(_EFFICIENT_FORWARD) == attention_backend(_EFFICIENT_BACKWARD) == "efficient"
+    assert attention_backend("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128") == "cudnn"
+    assert attention_backend("aten::_scaled_dot_product_flash_attention") == "flash"
+    assert attention_backend("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "flash"
+    assert attention_backend("aten::_scaled_dot_product_efficient_attention") == "efficient"
+    assert attention_backend("aten::_scaled_dot_product_cudnn_attention_backward") == "cudnn"
+    assert attention_backend("aten::_scaled_dot_product_attention_math") == "math"
+    for not_an_sdpa_backend in (
+        "triton_poi_fused__scaled_dot_product_efficient_attention_0",
+        "aten::_efficient_attention_forward",
+        "aten::_flash_attention_backward",
+        "aten::scaled_dot_product_attention",  # the public op: its backend op follows
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",
+        "aten::mm",
+    ):
+        assert attention_backend(not_an_sdpa_backend) is None, not_an_sdpa_backend
+
+
+@pytest.mark.structure
+def test_attention_census_counts_kernels_and_ops_by_backend():
+    """The kernel census sums attention kernels by backend over every kernel, not only the
+    top ones; the op census counts the SDPA ops a step dispatched, backward apart."""
+    from torch.autograd import DeviceType
+
+    from fsdp_compile.bench.comms import attention_op_census, kernel_census
+
+    cpu = DeviceType.CPU
+    kernels = [
+        _profiler_event("gemm", 9000), _profiler_event(_FLASH_FORWARD, 1000), _profiler_event(_FLASH_FORWARD, 1000),
+        _profiler_event(_FLASH_BACKWARD, 3000), _profiler_event(_EFFICIENT_FORWARD, 2000),
+        _profiler_event("triton_poi_fused__scaled_dot_product_efficient_attention_0", 100),
+    ]  # fmt: skip
+    ops = [
+        _profiler_event("aten::_scaled_dot_product_flash_attention", 50, cpu),
+        _profiler_event("aten::_flash_attention_forward", 40, cpu),
+        _profiler_event("aten::_scaled_dot_product_flash_attention_backward", 90, cpu),
+        _profiler_event("aten::_scaled_dot_product_efficient_attention", 50, cpu),
+        _profiler_event("aten::mm", 10, cpu),
+    ]
+    census = kernel_census(_stand_in_profiler(kernels + ops), step_ms=20.0, top=1)
+    assert census["attention"] == {"efficient": [2.0, 1], "flash": [5.0, 3]}
+    assert census["launches"] == 6 and list(census["top"]) == ["gemm"]
+    assert attention_op_census(_stand_in_profiler(kernels + ops)) == {"efficient": 1, "flash": 1, "flash_backward": 1}
 
 
 @pytest.mark.structure
