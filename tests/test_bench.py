@@ -376,3 +376,36 @@ def test_memory_sites_on_cuda_name_what_a_step_leaves_behind(tmp_path):
     assert sites["after_steps"] and len(sites["after_steps"]) <= 20
     # AdamW's state and the weights stay from step to step; each is named by its own line.
     assert any("optim" in s["site"] for s in sites["after_steps"]), sites
+
+
+def _mode_result(mode, step_ms, peak_mib, held_mib, warmup_s, attention=None):
+    """A stand-in for one mode's result in a bench document, as on CUDA."""
+    return {
+        "mode": mode, "median_step_ms": step_ms, "peak_memory_mib": peak_mib, "held_memory_mib": held_mib,
+        "held_reserved_mib": held_mib + 512, "warmup_s": warmup_s, "attention_ops": {},
+        "profiled_kernels": {"launches": 4000, "attention": attention or {"flash": [30.0, 96]}},
+    }  # fmt: skip
+
+
+@pytest.mark.structure
+def test_bench_json_keeps_the_modes_finished_before_one_fails(tmp_path, monkeypatch):
+    """The GPU rows kill a row at its time limit: the JSON, written after each mode, keeps
+    the modes that finished, for the summary to report beside the one that did not."""
+    from fsdp_compile.bench import cli
+
+    def run_mode(mode, run, device):
+        if mode == "mfsdp":
+            raise RuntimeError("a stand-in for a mode that fails")
+        return {**_mode_result(mode, 500.0, 1.0, 1.0, 1.0), "tokens_per_step": 64, "model_tflops_per_step": 1e-3}
+
+    monkeypatch.setattr(cli, "run_mode", run_mode)
+    monkeypatch.setattr(cli, "warm_up_process", lambda run, device: 0.0)
+    path = tmp_path / "bench.json"
+    bench = cli.parse_args(
+        ["--fake-world", "2", "--device", "cpu", "--modes", "fsdp2-compile,mfsdp", "--json", str(path)]
+    )
+    with pytest.raises(RuntimeError, match="a stand-in"):
+        cli.run_rank(0, 2, 0, "", bench)
+    document = json.loads(path.read_text())
+    assert [r["mode"] for r in document["results"]] == ["fsdp2-compile"]
+    assert document["baseline"] == "fsdp2-compile" and document["config"]["modes"] == "fsdp2-compile,mfsdp"

@@ -199,5 +199,9 @@ def _print_memory_sites(r: dict) -> None:
 
 
 def write_json(document: dict, path: str) -> None:
+    """Written whole or not at all: the file is rewritten after each mode, and a run killed
+    while writing it must leave the last complete version for whoever reads it next."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+    partial = Path(f"{path}.partial")
+    partial.write_text(json.dumps(document, indent=2) + "\n")
+    os.replace(partial, path)
