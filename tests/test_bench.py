@@ -409,3 +409,53 @@ def test_bench_json_keeps_the_modes_finished_before_one_fails(tmp_path, monkeypa
     document = json.loads(path.read_text())
     assert [r["mode"] for r in document["results"]] == ["fsdp2-compile"]
     assert document["baseline"] == "fsdp2-compile" and document["config"]["modes"] == "fsdp2-compile,mfsdp"
+
+
+def _bench_document(results, skipped=None):
+    return {
+        "machine": {"gpu": "NVIDIA H100 80GB HBM3", "cpu": "Intel Xeon", "torch": "2.11.0+cu130"},
+        "config": {"modes": "fsdp2-compile,mfsdp,mfsdp-cudagraph"},
+        "results": results,
+        "skipped": skipped or {},
+    }
+
+
+@pytest.mark.structure
+def test_summary_rows_are_ratios_to_fsdp2_compile_and_name_what_did_not_finish():
+    """The GPU rows' table: each mode's step, peak, held memory and warm-up over the same
+    run's fsdp2-compile (the issue's targets: step <= 0.95x, peak <= 0.90x). A mode the run
+    did not finish, a skipped mode and a run with no results each get a line saying why, so
+    a row cut short by its time limit cannot pass for one that ran."""
+    from fsdp_compile.bench.summary import format_summary, summary_rows
+
+    baseline = _mode_result("fsdp2-compile", 500.0, 40 * 1024, 16 * 1024, 10.0)
+    runs = {
+        "8b": (_bench_document([
+            baseline,
+            _mode_result("mfsdp", 450.0, 36 * 1024, 16 * 1024, 15.0),
+            _mode_result("mfsdp-cudagraph", 400.0, 38 * 1024, 20 * 1024, 20.0, {"efficient": [80.0, 64]}),
+        ]), 0),
+        "70b": (_bench_document([baseline]), 124),
+        "mixtral": (None, "not started: the call's time budget was spent"),
+        "cpu": (_bench_document([baseline], skipped={"mfsdp-cudagraph": "needs CUDA"}), 1),
+    }  # fmt: skip
+    rows = summary_rows(runs)
+    by_key = {(row["row"], row["mode"]): row for row in rows}
+    mfsdp = by_key["8b", "mfsdp"]
+    assert (mfsdp["step_ratio"], mfsdp["peak_ratio"], mfsdp["held_ratio"], mfsdp["warmup_ratio"]) == (0.9, 0.9, 1.0, 1.5)
+    assert by_key["8b", "fsdp2-compile"]["step_ratio"] == 1.0
+    assert by_key["8b", "mfsdp-cudagraph"]["attention"] == "efficient 64 kernels (80.0 ms)"
+    assert by_key["70b", "mfsdp"]["status"] == "not finished: exit 124, timed out"
+    assert by_key["mixtral", "all"]["status"] == "no results: not started: the call's time budget was spent"
+    assert by_key["cpu", "mfsdp-cudagraph"]["status"] == "skipped: needs CUDA"
+    # A mode listed but not run because the process crashed says so, with the status.
+    assert by_key["cpu", "mfsdp"]["status"] == "not finished: exit 1"
+    assert [key for key, row in by_key.items() if row["status"] == "ok"] == [
+        ("8b", "fsdp2-compile"), ("8b", "mfsdp"), ("8b", "mfsdp-cudagraph"), ("70b", "fsdp2-compile"),
+        ("cpu", "fsdp2-compile"),
+    ]  # fmt: skip
+
+    table = format_summary(rows).splitlines()
+    mfsdp_line = next(line for line in table if line.startswith("8b       mfsdp  "))
+    assert mfsdp_line.split()[2:9] == ["450.0", "0.900", "36.00", "0.900", "16.00", "1.000", "16.50"], mfsdp_line
+    assert "70b mfsdp-cudagraph: not finished: exit 124, timed out" in table
