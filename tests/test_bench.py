@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +93,13 @@ def test_hf_preset_as_one_rank_of_a_fake_world(tmp_path):
     assert results["mfsdp"]["collectives"]["all_gather"] == results["fsdp2-compile"]["collectives"]["all_gather"] == 5
     assert results["mfsdp"]["collectives"]["reduce_scatter"] == 3
     assert results["mfsdp"]["params_m"] == results["fsdp2-compile"]["params_m"] > 0.5
+    # Both layers' attention, forward and backward, on one backend in both modes; what a
+    # step leaves for the next (weights, gradients, AdamW state) is within its peak.
+    assert results["mfsdp"]["attention_ops"] == results["fsdp2-compile"]["attention_ops"] == {
+        "flash": 2, "flash_backward": 2,
+    }  # fmt: skip
+    for r in results.values():
+        assert 0 < r["held_memory_mib"] <= r["peak_memory_mib"] and r["held_reserved_mib"] is None, r
     # Without --compile-cache every mode compiles cold: a fresh folder, nothing loaded.
     for r in results.values():
         assert r["compile_cache"]["folder"] is None
@@ -182,22 +191,112 @@ def test_compile_time_benchmark_measures_each_mode(tmp_path):
     assert rows["torch-regional"]["passes_s"] == rows["fsdp2-compile"]["passes_s"] == 0
 
 
-@pytest.mark.structure
-def test_kernel_census_sums_each_kernel_and_ranks_them():
-    """The GPU-only kernel line, on a stand-in for the profiler: device kernels summed by
-    name and ranked, host events left out, the profiled step's wall time kept beside them."""
+def _profiler_event(name, us, device_type=None):
+    """A stand-in for one ``torch.profiler`` event: a CUDA kernel unless ``device_type`` says."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
+    return SimpleNamespace(
+        name=name, device_type=device_type or DeviceType.CUDA, time_range=SimpleNamespace(elapsed_us=lambda: us)
+    )
+
+
+def _stand_in_profiler(events):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(events=lambda: events)
+
+
+@pytest.mark.structure
+def test_kernel_census_sums_each_kernel_and_ranks_them():
+    """The GPU-only kernel line, on a stand-in for the profiler: device kernels summed by
+    name and ranked, host events left out, the profiled step's wall time kept beside them."""
+    from torch.autograd import DeviceType
+
     from fsdp_compile.bench.comms import kernel_census
 
-    def event(name, us, device_type=DeviceType.CUDA):
-        return SimpleNamespace(name=name, device_type=device_type, time_range=SimpleNamespace(elapsed_us=lambda: us))
+    events = [
+        _profiler_event("gemm", 3000), _profiler_event("aten::mm", 9000, DeviceType.CPU),
+        _profiler_event("softmax", 500), _profiler_event("gemm", 2000),
+    ]  # fmt: skip
+    census = kernel_census(_stand_in_profiler(events), step_ms=12.0, top=1)
+    assert census == {"step_ms": 12.0, "kernel_ms": 5.5, "launches": 3, "top": {"gemm": [5.0, 2]}, "attention": {}}
 
-    events = [event("gemm", 3000), event("aten::mm", 9000, DeviceType.CPU), event("softmax", 500), event("gemm", 2000)]
-    census = kernel_census(SimpleNamespace(events=lambda: events), step_ms=12.0, top=1)
-    assert census == {"step_ms": 12.0, "kernel_ms": 5.5, "launches": 3, "top": {"gemm": [5.0, 2]}}
+
+# Kernel names as torch's CUDA sources make them (FlashAttention 2 vendored as pytorch_flash, the
+# memory-efficient kernels generated as fmha_cutlass*), template arguments shortened; not yet
+# checked against a profile from a GPU.
+_FLASH_FORWARD = (
+    "void pytorch_flash::flash_fwd_kernel<"
+    "Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>(pytorch_flash::Flash_fwd_params)"
+)
+_FLASH_BACKWARD = (
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<"
+    "Flash_bwd_kernel_traits<128>>(pytorch_flash::Flash_bwd_params)"
+)
+_EFFICIENT_FORWARD = (
+    "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+    "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)"
+)
+_EFFICIENT_BACKWARD = (
+    "fmha_cutlassB_bf16_aligned_128x64_k128_sm80(PyTorchMemEffAttentionBackward::AttentionBackwardKernel<"
+    "cutlass::arch::Sm80, cutlass::bfloat16_t, true, false, true, 128, 64, 128, false>::Params)"
+)
+
+
+@pytest.mark.structure
+def test_attention_backend_is_read_from_kernel_and_op_names_only_where_they_are_sdpa():
+    """Flash against memory-efficient attention is the first thing the GPU rows check
+    (issue #36: a mask turns flash off). A name that merely mentions a backend must not count:
+    Inductor names a kernel that pads the mask after the SDPA op it feeds, and the inner ATen
+    op of an SDPA call would count that call twice."""
+    from fsdp_compile.bench.comms import attention_backend
+
+    assert attention_backend(_FLASH_FORWARD) == attention_backend(_FLASH_BACKWARD) == "flash"
+    assert attention_backend(_EFFICIENT_FORWARD) == attention_backend(_EFFICIENT_BACKWARD) == "efficient"
+    assert attention_backend("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128") == "cudnn"
+    assert attention_backend("aten::_scaled_dot_product_flash_attention") == "flash"
+    assert attention_backend("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "flash"
+    assert attention_backend("aten::_scaled_dot_product_efficient_attention") == "efficient"
+    assert attention_backend("aten::_scaled_dot_product_cudnn_attention_backward") == "cudnn"
+    assert attention_backend("aten::_scaled_dot_product_attention_math") == "math"
+    for not_an_sdpa_backend in (
+        "triton_poi_fused__scaled_dot_product_efficient_attention_0",
+        "aten::_efficient_attention_forward",
+        "aten::_flash_attention_backward",
+        "aten::scaled_dot_product_attention",  # the public op: its backend op follows
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",
+        "aten::mm",
+    ):
+        assert attention_backend(not_an_sdpa_backend) is None, not_an_sdpa_backend
+
+
+@pytest.mark.structure
+def test_attention_census_counts_kernels_and_ops_by_backend():
+    """The kernel census sums attention kernels by backend over every kernel, not only the
+    top ones; the op census counts the SDPA ops a step dispatched, backward apart."""
+    from torch.autograd import DeviceType
+
+    from fsdp_compile.bench.comms import attention_op_census, kernel_census
+
+    cpu = DeviceType.CPU
+    kernels = [
+        _profiler_event("gemm", 9000), _profiler_event(_FLASH_FORWARD, 1000), _profiler_event(_FLASH_FORWARD, 1000),
+        _profiler_event(_FLASH_BACKWARD, 3000), _profiler_event(_EFFICIENT_FORWARD, 2000),
+        _profiler_event("triton_poi_fused__scaled_dot_product_efficient_attention_0", 100),
+    ]  # fmt: skip
+    ops = [
+        _profiler_event("aten::_scaled_dot_product_flash_attention", 50, cpu),
+        _profiler_event("aten::_flash_attention_forward", 40, cpu),
+        _profiler_event("aten::_scaled_dot_product_flash_attention_backward", 90, cpu),
+        _profiler_event("aten::_scaled_dot_product_efficient_attention", 50, cpu),
+        _profiler_event("aten::mm", 10, cpu),
+    ]
+    census = kernel_census(_stand_in_profiler(kernels + ops), step_ms=20.0, top=1)
+    assert census["attention"] == {"efficient": [2.0, 1], "flash": [5.0, 3]}
+    assert census["launches"] == 6 and list(census["top"]) == ["gemm"]
+    assert attention_op_census(_stand_in_profiler(kernels + ops)) == {"efficient": 1, "flash": 1, "flash_backward": 1}
 
 
 @pytest.mark.structure
@@ -279,3 +378,162 @@ def test_memory_sites_on_cuda_name_what_a_step_leaves_behind(tmp_path):
     assert sites["after_steps"] and len(sites["after_steps"]) <= 20
     # AdamW's state and the weights stay from step to step; each is named by its own line.
     assert any("optim" in s["site"] for s in sites["after_steps"]), sites
+
+
+def _mode_result(mode, step_ms, peak_mib, held_mib, warmup_s, attention=None):
+    """A stand-in for one mode's result in a bench document, as on CUDA."""
+    return {
+        "mode": mode, "median_step_ms": step_ms, "peak_memory_mib": peak_mib, "held_memory_mib": held_mib,
+        "held_reserved_mib": held_mib + 512, "warmup_s": warmup_s, "attention_ops": {},
+        "profiled_kernels": {"launches": 4000, "attention": attention or {"flash": [30.0, 96]}},
+    }  # fmt: skip
+
+
+@pytest.mark.structure
+def test_bench_json_keeps_the_modes_finished_before_one_fails(tmp_path, monkeypatch):
+    """The GPU rows kill a row at its time limit: the JSON, written after each mode, keeps
+    the modes that finished, for the summary to report beside the one that did not."""
+    from fsdp_compile.bench import cli
+
+    def run_mode(mode, run, device):
+        if mode == "mfsdp":
+            raise RuntimeError("a stand-in for a mode that fails")
+        return {**_mode_result(mode, 500.0, 1.0, 1.0, 1.0), "tokens_per_step": 64, "model_tflops_per_step": 1e-3}
+
+    monkeypatch.setattr(cli, "run_mode", run_mode)
+    monkeypatch.setattr(cli, "warm_up_process", lambda run, device: 0.0)
+    path = tmp_path / "bench.json"
+    bench = cli.parse_args(
+        ["--fake-world", "2", "--device", "cpu", "--modes", "fsdp2-compile,mfsdp", "--json", str(path)]
+    )
+    with pytest.raises(RuntimeError, match="a stand-in"):
+        cli.run_rank(0, 2, 0, "", bench)
+    document = json.loads(path.read_text())
+    assert [r["mode"] for r in document["results"]] == ["fsdp2-compile"]
+    assert document["baseline"] == "fsdp2-compile" and document["config"]["modes"] == "fsdp2-compile,mfsdp"
+
+
+def _bench_document(results, skipped=None):
+    return {
+        "machine": {"gpu": "NVIDIA H100 80GB HBM3", "cpu": "Intel Xeon", "torch": "2.11.0+cu130"},
+        "config": {"modes": "fsdp2-compile,mfsdp,mfsdp-cudagraph"},
+        "results": results,
+        "skipped": skipped or {},
+    }
+
+
+@pytest.mark.structure
+def test_summary_rows_are_ratios_to_fsdp2_compile_and_name_what_did_not_finish():
+    """The GPU rows' table: each mode's step, peak, held memory and warm-up over the same
+    run's fsdp2-compile (the issue's targets: step <= 0.95x, peak <= 0.90x). A mode the run
+    did not finish, a skipped mode and a run with no results each get a line saying why, so
+    a row cut short by its time limit cannot pass for one that ran."""
+    from fsdp_compile.bench.summary import format_summary, summary_rows
+
+    baseline = _mode_result("fsdp2-compile", 500.0, 40 * 1024, 16 * 1024, 10.0)
+    runs = {
+        "8b": (_bench_document([
+            baseline,
+            _mode_result("mfsdp", 450.0, 36 * 1024, 16 * 1024, 15.0),
+            _mode_result("mfsdp-cudagraph", 400.0, 38 * 1024, 20 * 1024, 20.0, {"efficient": [80.0, 64]}),
+        ]), 0),
+        "70b": (_bench_document([baseline]), 124),
+        "mixtral": (None, "not started: the call's time budget was spent"),
+        "cpu": (_bench_document([baseline], skipped={"mfsdp-cudagraph": "needs CUDA"}), 1),
+    }  # fmt: skip
+    rows = summary_rows(runs)
+    by_key = {(row["row"], row["mode"]): row for row in rows}
+    mfsdp = by_key["8b", "mfsdp"]
+    assert (mfsdp["step_ratio"], mfsdp["peak_ratio"], mfsdp["held_ratio"], mfsdp["warmup_ratio"]) == (0.9, 0.9, 1.0, 1.5)
+    assert by_key["8b", "fsdp2-compile"]["step_ratio"] == 1.0
+    assert by_key["8b", "mfsdp-cudagraph"]["attention"] == "efficient 64 kernels (80.0 ms)"
+    assert by_key["70b", "mfsdp"]["status"] == "not finished: exit 124, timed out"
+    assert by_key["mixtral", "all"]["status"] == "no results: not started: the call's time budget was spent"
+    assert by_key["cpu", "mfsdp-cudagraph"]["status"] == "skipped: needs CUDA"
+    # A mode listed but not run because the process crashed says so, with the status.
+    assert by_key["cpu", "mfsdp"]["status"] == "not finished: exit 1"
+    assert [key for key, row in by_key.items() if row["status"] == "ok"] == [
+        ("8b", "fsdp2-compile"), ("8b", "mfsdp"), ("8b", "mfsdp-cudagraph"), ("70b", "fsdp2-compile"),
+        ("cpu", "fsdp2-compile"),
+    ]  # fmt: skip
+
+    table = format_summary(rows).splitlines()
+    mfsdp_line = next(line for line in table if line.startswith("8b       mfsdp  "))
+    assert mfsdp_line.split()[2:9] == ["450.0", "0.900", "36.00", "0.900", "16.00", "1.000", "16.50"], mfsdp_line
+    assert "70b mfsdp-cudagraph: not finished: exit 124, timed out" in table
+
+
+# Stands in for the device image's python3 in the script's test: the version line and the
+# summary run for real; a bench row copies the document the test left for its preset and
+# world, then exits with the status the test left beside it.
+_STAND_IN_PYTHON = """\
+import os, runpy, shutil, sys
+from pathlib import Path
+args = sys.argv[1:]
+if args[0] == "-c":
+    print("PYTHONUNBUFFERED", os.environ.get("PYTHONUNBUFFERED"))
+    sys.exit(0)
+if args[:2] == ["-m", "fsdp_compile.bench.summary"]:
+    sys.argv = args[1:]
+    runpy.run_module("fsdp_compile.bench.summary", run_name="__main__")
+    sys.exit(0)
+given = dict(zip(args[2::2], args[3::2]))
+canned = Path(os.environ["CANNED"], f"{given['--preset']}-{given['--fake-world']}")
+print("bench", " ".join(args[2:]))
+if canned.with_suffix(".json").exists():
+    shutil.copy(canned.with_suffix(".json"), given["--json"])
+sys.exit(int(canned.with_suffix(".status").read_text()))
+"""
+
+
+@pytest.mark.structure
+def test_gpu_rows_script_runs_every_row_and_reports_the_ones_that_failed(tmp_path):
+    """benchmarks/gpu_rows.sh on stand-ins for the bench (the smoke variant's rows): a row
+    that crashes, or is cut short keeping the modes it finished, does not stop the next one;
+    each row runs once with the modes and settings of the GPU rows, within its time share;
+    the summary says what is missing, the script's status says something failed, and the
+    whole log is in the output folder."""
+    canned = tmp_path / "canned"
+    canned.mkdir()
+    baseline = _mode_result("fsdp2-compile", 500.0, 40 * 1024, 16 * 1024, 10.0)
+    mfsdp = _mode_result("mfsdp", 450.0, 36 * 1024, 16 * 1024, 15.0)
+    for stem, document, status in (
+        ("hf-llama-tiny-8", _bench_document([baseline, mfsdp], skipped={"mfsdp-cudagraph": "needs CUDA"}), 0),
+        ("hf-llama-tiny-64", None, 1),  # crashed before its first mode finished
+        ("hf-mixtral-tiny-8", _bench_document([baseline]), 124),  # timed out in mfsdp
+    ):
+        if document:
+            (canned / f"{stem}.json").write_text(json.dumps(document))
+        (canned / f"{stem}.status").write_text(str(status))
+    stand_in = tmp_path / "python3"
+    stand_in.write_text(f"#!{sys.executable}\n{_STAND_IN_PYTHON}")
+    stand_in.chmod(0o755)
+    out = tmp_path / "out"
+    (out / "70b.json").parent.mkdir()
+    (out / "70b.json").write_text("{}")  # a stale row from an earlier call must not be read
+
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_rows.sh"
+    env = {**os.environ, "PYTHON": str(stand_in), "CANNED": str(canned)}
+    done = subprocess.run(
+        ["bash", str(script), "--smoke", str(out)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    log = (out / "gpu_rows.log").read_text()
+    assert log == done.stdout
+    assert "PYTHONUNBUFFERED 1" in log
+    benches = [line for line in log.splitlines() if line.startswith("bench ")]
+    assert len(benches) == 3
+    for line in benches:
+        assert "--modes fsdp2-compile,mfsdp,mfsdp-cudagraph" in line and "--param-dtype bfloat16" in line, line
+        assert "--warmup 2 --steps 5" in line, line
+    # Each smoke row's share is 150 s: the first gets its own, the next what the first left too.
+    limits = [int(limit) for limit in re.findall(r"^gpu_rows: \w+ \(.*\), at most (\d+) s$", log, re.MULTILINE)]
+    assert len(limits) == 3 and 140 <= limits[0] <= 150 and limits[1] >= 280, limits
+    summary = log[log.index("summary of the rows"):]
+    assert "8b mfsdp-cudagraph: skipped: needs CUDA" in summary
+    assert "70b all: no results: exit 1" in summary
+    assert "mixtral mfsdp: not finished: exit 124, timed out" in summary
+    rows = json.loads((out / "summary.json").read_text())
+    assert [(r["row"], r["mode"]) for r in rows if r["status"] == "ok"] == [
+        ("8b", "fsdp2-compile"), ("8b", "mfsdp"), ("mixtral", "fsdp2-compile"),
+    ]  # fmt: skip

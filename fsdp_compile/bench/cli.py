@@ -179,7 +179,20 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: Be
         )
     try:
         run, results, skipped = bench.run_config(), [], {}
+        machine = machine_info(device)
         process_warmup_s = warm_up_process(run, device)
+
+        def document() -> dict:
+            add_derived(results, peak_tflops(machine, bench.param_dtype))
+            return {
+                "machine": machine,
+                "baseline": baseline_mode(results),
+                "config": asdict(bench),
+                "process_warmup_s": process_warmup_s,
+                "results": results,
+                "skipped": skipped,
+            }
+
         for mode in bench.modes.split(","):
             reason = skip_reason(mode, device)
             if reason:
@@ -190,25 +203,18 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: Be
             result = run_mode(mode, run, device)
             # The fake group's collectives do not reduce: one real rank agrees with itself.
             results.append(result if bench.fake_world else agree_across_ranks(result, device))
+            if rank == 0 and bench.json:
+                # After each mode: a run killed in a later mode keeps the modes it finished.
+                write_json(document(), bench.json)
             # Each mode starts from nothing: no compiled frames, no cached blocks.
             torch._dynamo.reset()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if rank == 0:
-            machine = machine_info(device)
-            add_derived(results, peak_tflops(machine, bench.param_dtype))
-            document = {
-                "machine": machine,
-                "baseline": baseline_mode(results),
-                "config": asdict(bench),
-                "process_warmup_s": process_warmup_s,
-                "results": results,
-                "skipped": skipped,
-            }
-            print_report(document)
+            print_report(document())
             if bench.json:
-                write_json(document, bench.json)
+                write_json(document(), bench.json)
     finally:
         dist.destroy_process_group()
 

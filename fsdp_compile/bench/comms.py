@@ -11,7 +11,10 @@
   c10d ops, so a compiled step can be checked against its graphs. A replayed CUDA graph
   dispatches nothing and shows no collectives.
 - ``kernel_census``: on a GPU, the same profiled step's kernels (CUDA activity), so a step
-  time can be split into device time and host time, and two modes compared by kernel.
+  time can be split into device time and host time, and two modes compared by kernel; with
+  the attention kernels by SDPA backend (``attention_backend``).
+- ``attention_op_census``: the SDPA backends the step dispatched, on any device. A replayed
+  CUDA graph dispatches none: its kernels still say which backend it captured.
 """
 
 from __future__ import annotations
@@ -120,12 +123,61 @@ def kernel_census(prof: profile, step_ms: float, top: int = 12) -> dict:
             entry[0] += event.time_range.elapsed_us() / 1e3
             entry[1] += 1
     ranked = sorted(by_name.items(), key=lambda item: -item[1][0])
+    attention: dict[str, list[float]] = {}
+    for name, (ms, n) in by_name.items():
+        backend = attention_backend(name)
+        if backend:
+            entry = attention.setdefault(backend, [0.0, 0])
+            entry[0] += ms
+            entry[1] += n
     return {
         "step_ms": step_ms,
         "kernel_ms": sum(ms for ms, _ in by_name.values()),
         "launches": sum(n for _, n in by_name.values()),
         "top": {name: [ms, n] for name, (ms, n) in ranked[:top]},
+        "attention": dict(sorted(attention.items())),
     }
+
+
+# NOTE: attention by backend
+#     SDPA runs one of four backends, which the ATen op's name says
+#     (``aten::_scaled_dot_product_{flash_attention[_for_cpu],efficient_attention,
+#     cudnn_attention,attention_math}[_backward]``) and, on CUDA, its kernels' names:
+#     FlashAttention's ``pytorch_flash::flash_fwd_kernel<...>`` and ``flash_bwd_*``, the
+#     memory-efficient ``fmha_cutlassF_*(PyTorchMemEffAttention::...)`` and ``fmha_cutlassB_*``,
+#     cuDNN's ``cudnn_generated_*sdpa*`` (checked first: its names may say "flash" too). The
+#     math backend is plain matmuls and a softmax, no kernel of its own. Two kinds of name
+#     mention a backend without being one: Inductor names a fused kernel after the ops it
+#     came from (``triton_poi_fused__scaled_dot_product_efficient_attention_0`` pads the
+#     mask), and the ``aten::_flash_attention_forward``-style ops run inside the SDPA op,
+#     which is already counted.
+_ATTENTION_BACKENDS = (
+    ("cudnn", ("cudnn",)),
+    ("flash", ("flash",)),
+    ("efficient", ("efficient", "fmha", "memeffattention")),
+    ("math", ("attention_math",)),
+)
+
+
+def attention_backend(name: str) -> str | None:
+    """The SDPA backend a kernel or ATen op belongs to, or None (NOTE: attention by backend)."""
+    lowered = name.lower()
+    other_aten_op = lowered.startswith("aten::") and not lowered.startswith("aten::_scaled_dot_product_")
+    if other_aten_op or lowered.startswith("triton"):
+        return None
+    return next((backend for backend, marks in _ATTENTION_BACKENDS if any(m in lowered for m in marks)), None)
+
+
+def attention_op_census(prof: profile) -> dict[str, int]:
+    """SDPA ops the profiled step dispatched, by backend, backward ops apart
+    (``{"flash": 32, "flash_backward": 32}``)."""
+    census: Counter[str] = Counter()
+    for event in prof.events():
+        if event.device_type == DeviceType.CPU and event.name.startswith("aten::"):
+            backend = attention_backend(event.name)
+            if backend:
+                census[backend + ("_backward" if event.name.endswith("_backward") else "")] += 1
+    return dict(sorted(census.items()))
 
 
 def _event_bytes(event, arg: int | None) -> int | None:

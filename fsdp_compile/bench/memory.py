@@ -1,5 +1,5 @@
-"""Peak memory of a mode: CUDA allocator statistics, or the process's resident set; on CUDA,
-on request, where the memory goes (``AllocationSites``).
+"""Peak memory of a mode and what it holds between steps: CUDA allocator statistics, or the
+process's resident set; on CUDA, on request, where the memory goes (``AllocationSites``).
 
 CUDA: ``torch.cuda.max_memory_allocated`` from before the model is built to the last timed
 step. Warm-up is included because a captured CUDA graph allocates its memory pool during
@@ -11,6 +11,12 @@ does not see allocations inside compiled code or custom ops. The resident set se
 the process touches, so the peak is Linux's ``VmHWM`` over the timed steps (reset to the
 current resident set through ``/proc/self/clear_refs`` after warm-up, which leaves out the
 compiler's own Python objects) minus the resident set before the model was built.
+
+Held between steps (after the last timed step, less what was held before the model was built):
+the weights, gradients and optimizer state a step leaves for the next, and anything kept by
+mistake. On CUDA, what the allocator has handed out, and what it keeps reserved once its
+cache is emptied: a captured graph's private pool stays reserved for its replays, so only the
+reserved figure shows what capture holds. On CPU, the resident set.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class PeakMemory:
         if self.on_cuda:
             self.measure = "torch.cuda.max_memory_allocated from model build to the last step"
             torch.cuda.reset_peak_memory_stats(device)
+            self.allocated_before = torch.cuda.memory_allocated(device)
+            self.reserved_before = torch.cuda.memory_reserved(device)
             return
         self.supported = _CLEAR_REFS.exists() and _STATUS.exists()
         self.measure = (
@@ -81,6 +89,21 @@ class PeakMemory:
         if not self.supported:
             return None
         return (_status_kib("VmHWM") - self.baseline_kib) / 2**10
+
+    def held_mib(self) -> tuple[float | None, float | None]:
+        """After the last step, MiB above the state before the build: (held, reserved). Held is
+        CUDA's allocated memory or the CPU's resident set; reserved, CUDA only, is what the
+        allocator keeps after ``empty_cache`` (None on CPU)."""
+        if self.on_cuda:
+            torch.cuda.empty_cache()
+            return (
+                (torch.cuda.memory_allocated(self.device) - self.allocated_before) / 2**20,
+                (torch.cuda.memory_reserved(self.device) - self.reserved_before) / 2**20,
+            )
+        if not self.supported:
+            return None, None
+        _release_freed_heap()
+        return (_status_kib("VmRSS") - self.baseline_kib) / 2**10, None
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

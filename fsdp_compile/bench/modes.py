@@ -66,7 +66,13 @@ except ImportError as missing:
     raise ImportError("mfsdp-bench needs its extra: pip install 'fsdp_compile[bench]'") from missing
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, capture_step, fully_shard
-from fsdp_compile.bench.comms import graph_census, issued_census, kernel_census, profiled_census
+from fsdp_compile.bench.comms import (
+    attention_op_census,
+    graph_census,
+    issued_census,
+    kernel_census,
+    profiled_census,
+)
 from fsdp_compile.bench.emulated_link import EmulatedLinkGroup
 from fsdp_compile.bench.memory import AllocationSites, PeakMemory
 from fsdp_compile.bench.presets import PRESETS, HFPreset, blocks, build, materialize, train_flops
@@ -279,12 +285,15 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
         _sync(device)
         times.append(time.perf_counter() - start)
         exposed.append(getattr(link, "exposed_s", 0.0) - blocked)
+    held_mib, held_reserved_mib = memory.held_mib()
     result = {
         "mode": mode,
         "median_step_ms": 1e3 * statistics.median(times),
         "step_ms": [1e3 * t for t in times],
         "peak_memory_mib": memory.peak_mib(),
         "memory_measure": memory.measure,
+        "held_memory_mib": held_mib,
+        "held_reserved_mib": held_reserved_mib,
         "warmup_s": warmup_s,
         "loss_step0": float(first_loss),
         "final_loss": float(loss),
@@ -298,6 +307,7 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
         "model_tflops_per_step": train_flops(PRESETS[run.preset], run.batch, run.seq) / 1e12,
         "profiled_collectives": profiled,
         "profiled_kernels": kernel_census(prof, profiled_ms) if device.type == "cuda" else None,
+        "attention_ops": attention_op_census(prof),
         "memory_sites": sites.report() if sites else None,
     }
     # A graph loaded from the compile cache was never compiled here: nothing to count in it.
@@ -311,12 +321,13 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
 
 
 def agree_across_ranks(result: dict, device: torch.device) -> dict:
-    """Slowest rank's median and largest peak (a step waits for every rank); mean losses.
+    """Slowest rank's median, largest peak and held memory (a step waits for every rank, the
+    largest rank sets the memory a job needs); mean losses.
 
     Each rank's loss is on its own batch; their mean is the loss of the global batch.
     """
-    peak = result["peak_memory_mib"]
-    worst = torch.tensor([result["median_step_ms"], peak or 0.0], device=device)
+    peak, held = result["peak_memory_mib"], result["held_memory_mib"]
+    worst = torch.tensor([result["median_step_ms"], peak or 0.0, held or 0.0], device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     losses = torch.tensor([result["loss_step0"], result["final_loss"]], device=device)
     dist.all_reduce(losses)
@@ -325,6 +336,7 @@ def agree_across_ranks(result: dict, device: torch.device) -> dict:
         **result,
         "median_step_ms": worst[0].item(),
         "peak_memory_mib": None if peak is None else worst[1].item(),
+        "held_memory_mib": None if held is None else worst[2].item(),
         "loss_step0": losses[0].item(),
         "final_loss": losses[1].item(),
     }

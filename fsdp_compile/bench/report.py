@@ -90,6 +90,7 @@ _COLUMNS = (
     ("exposed ms", ">11"),
     ("peak MiB", ">9"),
     ("mem ratio", ">10"),
+    ("held MiB", ">9"),
     ("AG/step", ">8"),
     ("RS/step", ">8"),
     ("AR/step", ">8"),
@@ -111,6 +112,7 @@ def _row(r: dict) -> tuple:
         _fmt(r["exposed_comm_ms"], ".2f"),
         _fmt(r["peak_memory_mib"], ".1f"),
         _fmt(r["memory_vs_baseline"], ".2f"),
+        _fmt(r["held_memory_mib"], ".1f"),
         comms["all_gather"],
         comms["reduce_scatter"],
         comms["all_reduce"],
@@ -141,6 +143,8 @@ def print_report(document: dict) -> None:
     )
     if results:
         print(f"peak memory: {results[0]['memory_measure']} (largest over ranks)")
+        held = "allocated" if results[0]["held_reserved_mib"] is not None else "resident set"
+        print(f"held MiB: {held} after the last step, above the state before the model was built")
     for r in results:
         print(f"collectives of {r['mode']}: {r['collectives']['counted_by']}")
         kernels = r.get("profiled_kernels")
@@ -149,6 +153,12 @@ def print_report(document: dict) -> None:
                 f"kernels of {r['mode']} (profiled step): {kernels['kernel_ms']:.1f} ms in "
                 f"{kernels['launches']} launches, step {kernels['step_ms']:.1f} ms under the profiler"
             )
+        if r["held_reserved_mib"] is not None:
+            print(
+                f"held by {r['mode']} after the last step: {r['held_memory_mib']:.1f} MiB allocated, "
+                f"{r['held_reserved_mib']:.1f} MiB reserved (a captured graph's pool counts here)"
+            )
+        print(f"attention of {r['mode']} (profiled step): {attention_summary(r)}")
     for r in results:
         _print_memory_sites(r)
     for r in results:
@@ -164,6 +174,18 @@ def print_report(document: dict) -> None:
     print(json.dumps(document), flush=True)
 
 
+def attention_summary(r: dict) -> str:
+    """The SDPA backends one mode's profiled step ran: its kernels on CUDA, the ops it
+    dispatched elsewhere (a replayed CUDA graph dispatches none); "none seen" when neither
+    shows one (the math backend, compiled, is matmuls and a softmax)."""
+    kernels = r.get("profiled_kernels")
+    if kernels:
+        seen = [f"{backend} {n} kernels ({ms:.1f} ms)" for backend, (ms, n) in kernels["attention"].items()]
+    else:
+        seen = [f"{op} {n}" for op, n in r["attention_ops"].items()]
+    return ", ".join(seen) or "none seen"
+
+
 def _print_memory_sites(r: dict) -> None:
     sites = r.get("memory_sites")
     if not sites:
@@ -177,5 +199,9 @@ def _print_memory_sites(r: dict) -> None:
 
 
 def write_json(document: dict, path: str) -> None:
+    """Written whole or not at all: the file is rewritten after each mode, and a run killed
+    while writing it must leave the last complete version for whoever reads it next."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+    partial = Path(f"{path}.partial")
+    partial.write_text(json.dumps(document, indent=2) + "\n")
+    os.replace(partial, path)
