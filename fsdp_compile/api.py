@@ -33,6 +33,7 @@ from fsdp_compile.expert_parallel import (
     expert_modules,
 )
 from fsdp_compile.float8 import Float8Gather, float8_gather_of, float8_weight, is_float8_weight, master_weight
+from fsdp_compile.hf import install_prelude
 from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES, Strategy
 from fsdp_compile.optim_guard import install as install_optimizer_guard
 
@@ -724,6 +725,9 @@ def fully_shard(
     from fsdp_compile.regions import install_regions  # regions build on this module
 
     install_regions(module)
+    # An HF model decides its attention masks from its inputs' values before Dynamo traces
+    # it (NOTE: HF's value-dependent decisions, made before the trace, in hf.py).
+    install_prelude(module)
     module._mfsdp_unit = unit
     module._mfsdp_reshard_default = reshard_after_forward is None and strategy == "optim_grads_params"
     return module

@@ -59,6 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
 
 __all__ = ["BlockCall", "register_call", "call_record", "BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE"]
 
@@ -71,7 +72,8 @@ class BlockCall:
     block: weakref.ref
     """The block module (its parameters are already gathered: the body reads none)."""
     body: Callable[..., Any]
-    """The body function of the block's structure: ``body(block, layout, recipe, *leaves)``."""
+    """The body function of the block's structure: ``body(block, layout, recipe, side,
+    *leaves)`` (``side``: a ``SideChannel`` its hooks' recorders fill)."""
     name: str
     """The body's name, one per structure (``_region_3``)."""
     layout: str
@@ -86,15 +88,19 @@ class BlockCall:
     """The MfsdpBackend that compiles the body's frame (it outlives the step it compiled)."""
     traced: dict = field(default_factory=dict)
     """Filled by the fake kernel: ``differentiable`` (which tensor leaves need a gradient),
-    ``outputs`` (their metadata), ``form`` (how they regroup), ``cost``: the FLOPs and
+    ``outputs`` (the metadata of the block's tensor outputs, then of its side values: NOTE:
+    hooks inside a repeated block), ``form`` (how the block's regroup), ``own`` (how many
+    they are), ``side`` (the side values' form), ``cost``: the FLOPs and
     bytes of the body's forward and backward ops (see ``_RooflineCounter``),
     ``saved_bytes``: what its autograd graph keeps for the backward (see ``_saved_bytes``),
     ``random``: whether its forward draws random numbers, and ``graded``: per gathered
     weight, which of its members the backward gives a gradient (see ``_graded``)."""
 
-    def leaves(self, tensors: list[Tensor]) -> list[Any]:
+    def leaves(self, tensors: list[Tensor], stand_ins: dict[int, Any]) -> list[Any]:
+        """The body's leaves: the tensors and constants in place, a cache stand-in where its
+        spec is (NOTE: HF caches in a repeated block, in side_outputs.py)."""
         tensors = iter(tensors)
-        return [next(tensors) if not c else c[0] for c in self.constants]
+        return [next(tensors) if not c else stand_ins[at][0] if at in stand_ins else c[0] for at, c in enumerate(self.constants)]
 
 
 _CALLS: list[BlockCall] = []
@@ -313,15 +319,21 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
     versions = [t._version for t in tensors]
     leaves = [t.detach().requires_grad_(call.train and t.is_floating_point()) for t in (*weights, *tensors)]
     forward, backward = _RooflineCounter(), _RooflineCounter()
+    side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     with _autograd_inside() if call.train else torch.no_grad(), forward:
-        output = call.body(call.block(), call.layout, call.recipe, *leaves[: len(weights)], *call.leaves(leaves[len(weights) :]))
+        output = call.body(
+            call.block(), call.layout, call.recipe, side, *leaves[: len(weights)],
+            *call.leaves(leaves[len(weights) :], stand_ins),
+        )
     if any(t._version != v for t, v in zip(leaves[len(weights) :], versions)):
         raise CompileUsageError(
             f"a repeated block ({type(call.block()).__name__}) writes in place to a tensor it "
             "was called with; its body cannot be compiled on its own. Compile with "
             "options={'regional': False}, or make the write out of place."
         )
-    flat = _tensors_of(output)
+    side_form, side_tensors = flatten(side, stand_ins)
+    own = _tensors_of(output)
+    flat = [*own, *side_tensors]
     differentiable = [t for t in flat if t.requires_grad]
     saved_bytes = _saved_bytes(differentiable, besides=[*leaves, *flat])
     with _autograd_inside():  # to name the weights' nodes, as the backward's graph does
@@ -335,6 +347,8 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
     return {
         "graded": graded.found(),
         "form": _form(output),
+        "own": len(own),
+        "side": side_form,
         "outputs": [_metadata(t) for t in flat],
         "cost": {"forward": (forward.flops, forward.bytes), "backward": (backward.flops, backward.bytes)},
         "saved_bytes": saved_bytes,
@@ -630,12 +644,20 @@ def _release(slots: list[Tensor]) -> None:
         slot.data = torch.empty(0, dtype=slot.dtype, device=slot.device)
 
 
-def _flat_outputs(call: BlockCall, output: Any, inputs: list[Tensor]) -> list[Tensor]:
-    """The body's tensor outputs as the step's graph was traced to take them: same shapes and
-    same constants beside them (an error otherwise) and, copied where the compiled body chose
-    others, same strides. Copied too where one shares storage with the call's ``inputs`` or
-    an earlier output (a block that passes a tensor through, or returns two chunks of one):
-    see ``_unaliased``."""
+def _flat_outputs(call: BlockCall, output: Any, side: tuple[tuple, list[Tensor]], inputs: list[Tensor]) -> list[Tensor]:
+    """The body's tensor outputs, then its side values' (``side``: their form and tensors),
+    as the step's graph was traced to take them: same shapes and same constants beside them
+    (an error otherwise) and, copied where the compiled body chose others, same strides.
+    Copied too where one shares storage with the call's ``inputs`` or an earlier output (a
+    block that passes a tensor through, or returns two chunks of one): see ``_unaliased``."""
+    side_form, side_tensors = side
+    if side_form != call.traced["side"]:
+        raise RuntimeError(
+            f"a {type(call.block()).__name__} layer's hooks or cache writes inside the block "
+            f"gave {side_form} where its compiled step was traced with {call.traced['side']}: "
+            "this layer differs from the one its body was traced for. Compile with "
+            "options={'regional': False}."
+        )
     if _form(output) != call.traced["form"]:
         # The step's graph holds the constants the block returned while it was traced, and
         # its guards do not see what they came from (the body's own frame does).
@@ -645,7 +667,7 @@ def _flat_outputs(call: BlockCall, output: Any, inputs: list[Tensor]) -> list[Te
             "step keeps the constants a block returns. Return such a value as a tensor, or "
             "compile with options={'regional': False} (then Dynamo guards on it)."
         )
-    flat = _tensors_of(output)
+    flat = [*_tensors_of(output), *side_tensors]
     expected = call.traced["outputs"]
     got = [_metadata(t) for t in flat]
     if len(got) != len(expected) or any(
@@ -701,15 +723,17 @@ def _run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) 
     frame = call.backend().frame(call.name, call.body)
     block = call.block()
     token = _token_like([*weights, *tensors])
+    side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     if not call.train:
         with torch.no_grad():
-            output = frame(block, call.layout, call.recipe, *weights, *call.leaves(tensors))
-        return [*(t.detach() for t in _flat_outputs(call, output, [*weights, *tensors])), token]
+            output = frame(block, call.layout, call.recipe, side, *weights, *call.leaves(tensors, stand_ins))
+        outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
+        return [*(t.detach() for t in outputs), token]
     slots = [_slot(w) for w in weights]
     inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
     with _autograd_inside():
-        output = frame(block, call.layout, call.recipe, *slots, *call.leaves(inputs))
-        outputs = _flat_outputs(call, output, [*weights, *tensors])
+        output = frame(block, call.layout, call.recipe, side, *slots, *call.leaves(inputs, stand_ins))
+        outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
     _release(slots)
     _keep(token, (outputs, slots, inputs))
     return [*(t.detach() for t in outputs), token]

@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_compile.errors import UsageError
+from fsdp_compile.hf import inputs_unread
 
 __all__ = ["capture_step", "CapturedStep"]
 
@@ -45,14 +46,17 @@ class CapturedStep:
         # stream, as capture requires; they train on the example inputs.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup_steps):
-                self.warmup_outputs.append(_detach_clone(train_step(*static_inputs)))
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._static_outputs = train_step(*static_inputs)
+        # Replays bring values capture never saw: an HF model decides nothing from them, in
+        # the warm-up either, whose compiled step the capture records (fsdp_compile/hf.py).
+        with inputs_unread():
+            with torch.cuda.stream(side):
+                for _ in range(warmup_steps):
+                    self.warmup_outputs.append(_detach_clone(train_step(*static_inputs)))
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._static_outputs = train_step(*static_inputs)
 
     def __call__(self, *inputs: Any) -> Any:
         if self._graph is None:

@@ -48,6 +48,7 @@ import functools
 import itertools
 import operator
 import types
+import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -59,8 +60,19 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.api import marker_args, next_param_id, shard_info, unshard_marker
 from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, BlockCall, call_record, register_call
+from fsdp_compile import hf
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.flat_params import check_linked, converted_flat, flat_groups, make_flat, note_graded
+from fsdp_compile.side_outputs import (
+    SideChannel,
+    hook_counts,
+    hooked_modules,
+    layer_indices,
+    put_back_hooks,
+    recording_hooks,
+    replay,
+    stand_in_leaves,
+)
 
 __all__ = ["install_regions", "is_region", "RegionLayout"]
 
@@ -110,16 +122,30 @@ def _region_forward(self: nn.Module, *args, **kwargs):
         sizes += (len(values[at]),)
         leaves = leaves[:at] + values[at] + leaves[at + 1 :]
     is_tensor = tuple(map(isinstance, leaves, itertools.repeat(torch.Tensor)))
+    given, stood_in = leaves, True
+    if any(map(hf.is_cache, leaves)):  # see NOTE: HF caches in a repeated block
+        leaves, stood_in = stand_in_leaves(leaves, _layers_of(self._mfsdp_region_key))
     layout, tensor_at, constant_at = _call_layout(len(args), tuple(kwargs), len(gathered), opened, sizes, is_tensor)
     constants = tuple(map(operator.getitem, itertools.repeat(leaves), constant_at))
-    call, inline = _block_call(self._mfsdp_region_key, layout, recipe, is_tensor, constants, torch.is_grad_enabled())
+    # An argument no constant can stand for (an object of the user's) cannot reach the body,
+    # and Dynamo would give up on the frame holding the layer loop: the call is traced inline.
+    passable = all(map(_passable, constants))
+    if not passable and torch.compiler.is_compiling():
+        _say_inline(type(self).__name__, _first_unpassable(tuple(map(type, constants))))
+    train = torch.is_grad_enabled()
+    call, inline = (
+        _block_call(self._mfsdp_region_key, layout, recipe, is_tensor, constants, train) if stood_in and passable else (-1, True)
+    )
     tensors = list(map(operator.getitem, itertools.repeat(leaves), tensor_at))
     if inline:  # run eagerly, or traced inline
         if call >= 0:
             BLOCK_GRADED(gathered, tensors, call)
-        return _region_inline(self, layout, recipe, *gathered, *leaves)
+        return _region_inline(self, layout, recipe, *gathered, *given)
     outputs = BLOCK_FORWARD(gathered, tensors, call)
-    return _regroup(_output_form(call), outputs)
+    form, own, side = _output_form(call)
+    if side:
+        replay(self, side, outputs[own:-1], given)
+    return _regroup(form, outputs)
 
 
 @torch._dynamo.assume_constant_result
@@ -151,6 +177,7 @@ def _recipe_key(block: nn.Module) -> str:
         tuple((f._mfsdp_layout.unpack_args(shard_info(f).param_dtype), f._mfsdp_layout.trims()) for f in flats),
         layout.slots,
         tuple((tuple(path.split(".")) if path else (), names) for path, names in layout.owners),
+        hooked_modules(block),
     )
     return _key_in(_RECIPES, recipe)
 
@@ -235,10 +262,16 @@ def _reparametrized(block: nn.Module, owners, weights, args, kwargs):
         return _reparametrized(block, rest, weights[len(names) :], args, kwargs)
 
 
-def _region(block: nn.Module, layout: str, recipe: str, *leaves):
-    """The body: the gathered flats copied out into the block's parameters, then its forward."""
+def _region(block: nn.Module, layout: str, recipe: str, side: SideChannel, *leaves):
+    """The body: the gathered flats copied out into the block's parameters, then its forward
+    (its modules' forward hooks recorded into ``side``: NOTE: hooks inside a repeated
+    block)."""
     owners, weights, args, kwargs, _ = _body_arguments(layout, recipe, leaves)
-    return _stored_in(block, owners, weights, args, kwargs)
+    held = recording_hooks(block, _recipe_of(recipe)[3], side)
+    try:
+        return _stored_in(block, owners, weights, args, kwargs)
+    finally:
+        put_back_hooks(held)
 
 
 def _region_inline(block: nn.Module, layout: str, recipe: str, *leaves):
@@ -268,7 +301,7 @@ def _body_arguments(layout: str, recipe: str, leaves: tuple) -> tuple:
     """A body's leaves as the block's owning submodules, their weights, its forward's
     arguments, and each flat's copied-out members."""
     n_args, names, widths = _call_layout_of(layout)
-    unpacks, slots, owners = _recipe_of(recipe)
+    unpacks, slots, owners, _ = _recipe_of(recipe)
     gathered, members, copies = leaves[: widths[0]], [], []
     for full, (unpack, trims) in zip(gathered, unpacks):
         copied = torch.ops.fsdp_compile.split_gathered.default(full, *unpack)
@@ -350,8 +383,41 @@ def _block_call(
 
 @torch._dynamo.assume_constant_result
 def _output_form(call: int) -> tuple:
-    """How the call's outputs regroup (known once ``block_forward``'s fake kernel ran)."""
-    return call_record(call).traced["form"]
+    """How the call's outputs regroup, how many are the block's, and the form of the side
+    values after them (known once ``block_forward``'s fake kernel ran)."""
+    traced = call_record(call).traced
+    return traced["form"], traced["own"], traced["side"]
+
+
+@torch._dynamo.assume_constant_result
+def _layers_of(block_key: int) -> tuple[int, ...]:
+    return layer_indices(_BLOCKS[block_key])
+
+
+_PASSABLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _passable(value: object) -> bool:
+    """A constant a block's call can carry to its body (traced by Dynamo)."""
+    return type(value) in _PASSABLE or hf.is_stand_in_spec(value)
+
+
+@torch._dynamo.assume_constant_result
+def _first_unpassable(types_: tuple[type, ...]) -> str:
+    return next(t.__name__ for t in types_ if t not in _PASSABLE and t is not tuple)
+
+
+@torch._dynamo.assume_constant_result
+def _say_inline(block: str, argument: str) -> None:
+    """Said once per block class and argument type (Python's warnings keep the first)."""
+    warnings.warn(
+        f"a repeated {block} is called with a {argument}, which mfsdp cannot hand to the "
+        "block's compiled body (only tensors, None, numbers, strings, dtypes, devices and HF "
+        "caches go through): each such call is traced inline in the step, as with "
+        "options={'regional': False}, and compile time grows with depth. Pass the values the "
+        "block reads from it instead (tensors or constants).",
+        stacklevel=2,
+    )
 
 
 def _regroup(form: tuple, outputs: list) -> Any:
@@ -364,18 +430,17 @@ def _regroup(form: tuple, outputs: list) -> Any:
 
 def structure(block: nn.Module) -> tuple:
     """What a block's body may depend on that Dynamo's guards do not see: the class of every
-    submodule, its hooks, its training flag, and the names, shapes and dtypes of its
-    parameters and buffers (see NOTE: structure before guards)."""
+    submodule, its training flag, its backward hooks, how many forward hooks it has (NOTE:
+    hooks inside a repeated block: the body records for them, the step calls them; the
+    block's own run in the step), and the names, shapes and dtypes of its parameters and
+    buffers (see NOTE: structure before guards)."""
     return tuple(
         (
             path,
             type(module),
             module.training,
-            tuple(
-                id(hook)
-                for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
-                for hook in hooks.values()
-            ),
+            tuple(id(hook) for hooks in (module._backward_pre_hooks, module._backward_hooks) for hook in hooks.values()),
+            hook_counts(module) if path else (),
             tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in module._parameters.items() if t is not None),
             tuple((n, tuple(t.shape), t.dtype) for n, t in module._buffers.items() if t is not None),
         )

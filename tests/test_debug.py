@@ -37,14 +37,15 @@ def test_dump_folder_holds_every_promised_file(tmp_path):
     passes = sorted(p.name for p in (folder / "passes").iterdir())
     assert passes == [
         "00_dynamo.py",
-        "01_dedupe_unshards.py",
-        "02_joint.py",
-        "03_constant_opaque_outputs.py",
-        "04_lower_collectives.py",
-        "05_reshard.py",
-        "06_save_block_rng.py",
-        "07_forward.py",
-        "08_backward.py",
+        "01_drop_block_probes.py",
+        "02_dedupe_unshards.py",
+        "03_joint.py",
+        "04_constant_opaque_outputs.py",
+        "05_lower_collectives.py",
+        "06_reshard.py",
+        "07_save_block_rng.py",
+        "08_forward.py",
+        "09_backward.py",
     ]
     # The repeated block's body, a frame of its own compiled once for all layers, has a folder
     # of its own beside the step's.

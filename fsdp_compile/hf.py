@@ -1,0 +1,357 @@
+"""What fsdp_compile knows of HuggingFace transformers, in one place (transformers 5.x).
+
+Nothing here imports transformers: each helper looks for it among the modules already
+imported, so a program without HF models pays nothing and sees nothing.
+
+NOTE: HF's value-dependent decisions, made before the trace
+    HF decides some things from the *values* of its inputs. Two matter to speed: whether a
+    2-D ``attention_mask`` holds any zero (padding), and whether ``position_ids`` pack several
+    sequences in one row. Run eagerly (FSDP2 + per-block compile runs HF's root so), HF reads
+    them and, for a causal LM without padding, gives SDPA no mask and ``is_causal=True``:
+    FlashAttention over the causal half, grouped-query attention kept. Traced by Dynamo, it
+    cannot read them (``find_packed_sequence_indices`` and ``_ignore_causal_mask_sdpa`` give
+    up under tracing), so it builds a boolean mask: every layer's SDPA then runs masked, over
+    the whole square, with K and V repeated to every query head.
+
+    So the module ``fully_shard`` gets, when it is an HF model, calls its forward through a
+    prelude that Dynamo does not trace but whose callees it compiles
+    (``torch._dynamo.disable(..., recursive=False)``: the step is still one graph, starting in
+    the model's own forward). The prelude reads the values eagerly, as HF would, and hands
+    the trace the answers, which Dynamo then guards on like any other Python value:
+
+    - a 2-D ``attention_mask`` (or ``decoder_attention_mask``) without zeros is passed as
+      None, which is what HF makes of it (no padding: ``fast_all`` in masking_utils);
+    - where the position ids are not packed (HF makes them from ``arange``, or the given ones
+      restart nowhere, as HF's own check finds on their values), HF's packed-sequence check
+      answers "not packed" for the call (``masking_utils.find_packed_sequence_indices``).
+      Given only for a single text model (the model and its base model): a composite model
+      (vision-language, encoder-decoder) makes position ids of its own, which the answer
+      would not describe.
+
+    A padded mask or packed positions go through untouched: HF builds the mask from them in
+    the graph, exactly as before, and a step with padding compiles a graph of its own. A
+    step captured whole (``capture_step``) must not read values while it warms up or
+    captures; inside ``inputs_unread()`` the prelude leaves the inputs as they are (HF's
+    masked path, right for any values a replay brings) and says so once.
+
+    The prelude also installs HF's output-capturing hooks (``output_router_logits``,
+    ``output_attentions``...) before the trace when the call asks for them: HF installs them
+    lazily inside its forward, where a compiled body would not yet see them (NOTE: hooks
+    inside a repeated block, in fsdp_compile/side_outputs.py). Under HF's gradient
+    checkpointing those hooks append to HF's collector from inside each layer's checkpoint
+    region, which Dynamo accepts only when the backward's recompute skips that side effect
+    (``skip_fwd_side_effects_in_bwd_under_checkpoint``, set for the call): eager's recompute
+    adds nothing to the collector either, which is gone by then. A hook of the user's inside
+    such a layer then runs once per step, not again in the recompute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import sys
+import types
+import warnings
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["is_hf_model", "install_prelude", "inputs_unread"]
+
+_MASKS = ("attention_mask", "decoder_attention_mask")
+
+_INPUTS_UNREAD = contextvars.ContextVar("mfsdp_hf_inputs_unread", default=False)
+
+
+def _module(name: str) -> types.ModuleType | None:
+    return sys.modules.get(name)
+
+
+def is_hf_model(module: object) -> bool:
+    modeling = _module("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
+
+
+@contextlib.contextmanager
+def inputs_unread() -> Iterator[None]:
+    """Within: HF models' preludes read no input values (a CUDA graph capture, and the
+    warm-up whose graphs it replays; see NOTE: HF's value-dependent decisions)."""
+    token = _INPUTS_UNREAD.set(True)
+    try:
+        yield
+    finally:
+        _INPUTS_UNREAD.reset(token)
+
+
+def install_prelude(root: nn.Module) -> None:
+    """Call ``root``'s forward through the prelude (NOTE: HF's value-dependent decisions)
+    when it is an HF model, and take the prelude off the models inside it (an earlier
+    ``fully_shard`` on a submodule): inside a traced step, a prelude would cut the graph."""
+    for module in root.modules():
+        if module is not root and module.__dict__.get("_mfsdp_hf_prelude"):
+            del module.forward, module._mfsdp_hf_prelude
+    if is_hf_model(root):
+        # An instance attribute: the model's class stays the user's (and FSDP2's, HF's).
+        root.forward = types.MethodType(_PRELUDE, root)
+        root._mfsdp_hf_prelude = True
+    elif any(is_hf_model(m) for m in root.modules()):
+        warnings.warn(
+            f"fully_shard got a {type(root).__name__} holding an HF model: mfsdp decides HF's "
+            "attention masks from the inputs' values only when the HF model itself is the "
+            "module given to fully_shard and compiled. Traced inside another module, HF builds "
+            "a boolean causal mask (no FlashAttention, no grouped-query attention). Shard and "
+            "compile the HF model, and call it from your module.",
+            stacklevel=3,
+        )
+
+
+def _prelude(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    forward = type(self).forward
+    bound, held = _decided(self, forward, args, kwargs)
+    try:
+        return forward(*bound.args, **bound.kwargs)
+    finally:
+        _put_back(held)
+
+
+# Dynamo compiles what the prelude calls (recursive=False): the model's forward, to be
+# compiled, and the prelude's own work, disabled.
+_PRELUDE = torch._dynamo.disable(_prelude, recursive=False)
+
+
+@torch._dynamo.disable
+def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple[inspect.BoundArguments, Any]:
+    """The call's arguments, an all-ones mask made None, HF's output hooks installed where the
+    call asks for outputs, and HF's packed-sequence check answered where the position ids
+    are unpacked; returns what ``_put_back`` restores after the call."""
+    bound = _signature(forward).bind_partial(model, *args, **kwargs)
+    arguments = bound.arguments
+    unread = _INPUTS_UNREAD.get()
+    if unread:
+        _say_unread(type(model).__name__, [n for n in (*_MASKS, "position_ids") if arguments.get(n) is not None])
+    else:
+        for name in _MASKS:
+            mask = arguments.get(name)
+            if isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool(mask.all()):
+                arguments[name] = None
+    held = {}
+    if _install_output_hooks(model, arguments) and getattr(model, "is_gradient_checkpointing", False):
+        # HF's output hooks append to its collector, outside the checkpoint region of each
+        # layer, which Dynamo refuses (a graph break per layer) unless the recompute in the
+        # backward skips that side effect; eager's recompute appends nothing either (the
+        # collector is gone by then).
+        held["skip_fwd_side_effects_in_bwd_under_checkpoint"] = _dynamo_config(
+            "skip_fwd_side_effects_in_bwd_under_checkpoint", True
+        )
+    masking = _module("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is not None and not unread and _single_text_model(model) and _unpacked(arguments.get("position_ids")):
+        masking.find_packed_sequence_indices = _never_packed
+        held["find_packed_sequence_indices"] = original
+    return bound, held
+
+
+def _dynamo_config(name: str, value: Any) -> Any:
+    before = getattr(torch._dynamo.config, name)
+    setattr(torch._dynamo.config, name, value)
+    return before
+
+
+@torch._dynamo.disable
+def _put_back(held: dict) -> None:
+    for name, value in held.items():
+        if name == "find_packed_sequence_indices":
+            _module("transformers.masking_utils").find_packed_sequence_indices = value
+        else:
+            setattr(torch._dynamo.config, name, value)
+
+
+@functools.cache
+def _signature(forward: Any) -> inspect.Signature:
+    return inspect.signature(forward)
+
+
+def _say_unread(model: str, given: list[str]) -> None:
+    if given:
+        _warn_unread(model, tuple(given))
+
+
+@functools.cache
+def _warn_unread(model: str, given: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"{model} was called with {', '.join(given)} in a captured step (capture_step), which "
+        "cannot read their values: HF builds its attention mask in the graph (no "
+        "FlashAttention, no grouped-query attention), right for whatever a replay brings. For "
+        "batches without padding or packing, pass neither and HF's causal fast path is taken.",
+        stacklevel=4,
+    )
+
+
+def _unpacked(position_ids: Any) -> bool:
+    """Whether the position ids restart nowhere: None (HF makes them from ``arange``), or
+    given ones HF's own check finds unpacked on their values."""
+    if position_ids is None:
+        return True
+    masking = _module("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2 or find is None:
+        return False
+    return find(position_ids) is None
+
+
+def _single_text_model(model: nn.Module) -> bool:
+    """An HF model holding no HF model but its base model (``LlamaForCausalLM`` and its
+    ``LlamaModel``), not an encoder-decoder."""
+    nested = [m for m in model.modules() if m is not model and is_hf_model(m)]
+    config = getattr(model, "config", None)
+    return len(nested) <= 1 and not getattr(config, "is_encoder_decoder", False)
+
+
+def _never_packed(position_ids: torch.Tensor) -> None:
+    """``find_packed_sequence_indices``'s answer for positions found unpacked."""
+    return None
+
+
+def _install_output_hooks(model: nn.Module, arguments: dict) -> bool:
+    """HF's output-capturing hooks, on each HF model under ``model`` whose outputs this call
+    asks for (``output_router_logits=True`` by argument or config), as HF's ``capture_outputs``
+    would install them at its first such call, inside the traced forward; whether the call
+    asks for any."""
+    capturing = _module("transformers.utils.output_capturing")
+    registry = getattr(capturing, "_CAN_RECORD_REGISTRY", None)
+    install = getattr(capturing, "maybe_install_capturing_hooks", None)
+    if registry is None or install is None:
+        return False
+    asked = False
+    for module in model.modules():
+        if not is_hf_model(module):
+            continue
+        flags = registry.get(module) or {}
+        config = getattr(module, "config", None)
+        if any(arguments.get(f"output_{key}", getattr(config, f"output_{key}", False)) for key in flags):
+            asked = True
+            install(module)  # once: HF marks the model
+    return asked
+
+
+# ---- caches (NOTE: HF caches in a repeated block, in fsdp_compile/side_outputs.py) ---------------
+
+_SPEC = "mfsdp:cache-stand-in"
+
+
+def _cache_utils() -> types.ModuleType | None:
+    return _module("transformers.cache_utils")
+
+
+def is_cache(value: object) -> bool:
+    caches = _cache_utils()
+    return caches is not None and isinstance(value, caches.Cache)
+
+
+def cache_empty_at(cache: Any, layers: tuple[int, ...]) -> bool:
+    """Whether ``cache`` holds nothing yet for ``layers`` (traced in the step: HF's own
+    accessors, whose answers Dynamo guards on)."""
+    caches = _cache_utils()
+    if isinstance(cache, caches.EncoderDecoderCache):
+        return all(cache.get_seq_length(layer) == 0 and not cache.is_updated.get(layer) for layer in layers)
+    return isinstance(cache, caches.DynamicCache) and all(cache.get_seq_length(layer) == 0 for layer in layers)
+
+
+def stand_in_spec(cache: Any, layer: int) -> tuple:
+    """A constant naming the stand-in for ``cache`` and the block's layer (its fake run is
+    the block's own, and its writes go to that layer)."""
+    kind = "encoder_decoder" if isinstance(cache, _cache_utils().EncoderDecoderCache) else "dynamic"
+    return (_SPEC, kind, layer)
+
+
+def is_stand_in_spec(value: object) -> bool:
+    return type(value) is tuple and len(value) == 3 and value[0] == _SPEC
+
+
+def spec_layer(spec: tuple) -> int:
+    return spec[2]
+
+
+def stand_in(spec: tuple) -> Any:
+    """A fresh stand-in for the spec's cache: it returns what it is given and records it."""
+    dynamic, encoder_decoder = _stand_in_classes()
+    return encoder_decoder() if spec[1] == "encoder_decoder" else dynamic()
+
+
+def cache_writes(stand_in: Any) -> list[tuple[str, tuple]]:
+    """What a stand-in recorded, as (part of the cache, values) in the order to make them:
+    ``""`` a write of (keys, values), ``"self"`` / ``"cross"`` one into an encoder-decoder
+    cache's part, ``"updated"`` its cross-attention marked filled. At the block's one layer:
+    the stand-in does not record the layer it is told, which would make Dynamo specialise the
+    body on it (NOTE: HF caches in a repeated block)."""
+    _, encoder_decoder = _stand_in_classes()
+    if isinstance(stand_in, encoder_decoder):
+        return [
+            *(("self", kv) for kv in stand_in.self_attention_cache.writes),
+            *(("cross", kv) for kv in stand_in.cross_attention_cache.writes),
+            *(("updated", ()) for _ in range(stand_in.is_updated.marked)),
+        ]
+    return [("", kv) for kv in stand_in.writes]
+
+
+def replay_cache_write(cache: Any, part: str, layer: int, values: tuple) -> None:
+    """Make a recorded write on the user's cache (traced in the step)."""
+    if part == "updated":
+        cache.is_updated[layer] = True
+    elif part == "":
+        cache.update(*values, layer)
+    else:
+        (cache.self_attention_cache if part == "self" else cache.cross_attention_cache).update(*values, layer)
+
+
+@functools.cache
+def _stand_in_classes() -> tuple[type, type]:
+    caches = _cache_utils()
+
+    class DynamicStandIn(caches.DynamicCache):
+        """Empty, and stays so: ``update`` returns the states it is given (what an empty layer
+        returns) and records them; it never reads the layer, so a body traced for one layer
+        serves the others."""
+
+        def __init__(self) -> None:  # noqa: D107 (nothing of DynamicCache's state is used)
+            self.writes: list[tuple] = []
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            self.writes.append((key_states, value_states))
+            return key_states, value_states
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0
+
+    class NothingUpdated(dict):
+        """An encoder-decoder cache's ``is_updated``: nothing filled yet; what is marked is
+        recorded."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.marked = 0
+
+        def get(self, layer, default=None):
+            return False
+
+        def __getitem__(self, layer):
+            return False
+
+        def __setitem__(self, layer, value):
+            self.marked += 1
+
+    class EncoderDecoderStandIn(caches.EncoderDecoderCache):
+        """Two recording stand-ins, for self- and cross-attention."""
+
+        def __init__(self) -> None:  # noqa: D107
+            self.self_attention_cache = DynamicStandIn()
+            self.cross_attention_cache = DynamicStandIn()
+            self.is_updated = NothingUpdated()
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0
+
+    return DynamicStandIn, EncoderDecoderStandIn
