@@ -492,6 +492,10 @@ def _install_properties(module: nn.Module, names: set[str]) -> None:
             "_mfsdp_names": names,
             "_apply": _reattach_shard_info,
             "set_requires_gradient_sync": _set_requires_gradient_sync,
+            # Printed as the user's class: libraries key registries on str(cls) (HF's output
+            # recorders), and the class is the user's but for the getters.
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
         }
         _SHARDED_CLASSES[base, names] = type(f"Sharded{base.__name__}", (base,), namespace)
     module.__class__ = _SHARDED_CLASSES[base, names]

@@ -720,6 +720,15 @@ def _storage(tensor: Tensor) -> int:
 
 
 def _run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
+    if "outputs" not in call.traced:
+        # Dynamo ran the call instead of tracing it: its fake run failed, and Dynamo broke the
+        # graph there (a data-dependent op in the block, say), swallowing the reason.
+        raise CompileUsageError(
+            f"a repeated {type(call.block()).__name__}'s body could not be run on fake tensors "
+            "while the step was traced (TORCH_LOGS=graph_breaks shows why; a data-dependent "
+            "op, such as a loop over the experts a router picked, is one cause), so it cannot "
+            "be compiled on its own. Compile with options={'regional': False}."
+        )
     frame = call.backend().frame(call.name, call.body)
     block = call.block()
     token = _token_like([*weights, *tensors])

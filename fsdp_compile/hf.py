@@ -26,7 +26,10 @@ NOTE: HF's value-dependent decisions, made before the trace
       answers "not packed" for the call (``masking_utils.find_packed_sequence_indices``).
       Given only for a single text model (the model and its base model): a composite model
       (vision-language, encoder-decoder) makes position ids of its own, which the answer
-      would not describe.
+      would not describe;
+    - where no padding mask is left, HF's causal-skip check answers from the shapes, as it
+      does eagerly (``masking_utils._ignore_causal_mask_sdpa``): before 5.24 it refuses every
+      skip under tracing, mask or not.
 
     A padded mask or packed positions go through untouched: HF builds the mask from them in
     the graph, exactly as before, and a step with padding compiles a graph of its own. A
@@ -151,7 +154,42 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
     if original is not None and not unread and _single_text_model(model) and _unpacked(arguments.get("position_ids")):
         masking.find_packed_sequence_indices = _never_packed
         held["find_packed_sequence_indices"] = original
+    skip = getattr(masking, "_ignore_causal_mask_sdpa", None)
+    if skip is not None and _answered_skip(skip) is not None:
+        masking._ignore_causal_mask_sdpa = _answered_skip(skip)
+        held["_ignore_causal_mask_sdpa"] = skip
     return bound, held
+
+
+@functools.cache
+def _answered_skip(original: Any) -> Any:
+    """HF's ``_ignore_causal_mask_sdpa`` answering, where no padding mask is left, from the
+    shapes alone as it does eagerly; traced, transformers before 5.24 refuses every skip (its
+    ``is_tracing`` check comes first). With a padding mask, or a tensor ``q_offset`` (static
+    caches, whose skip HF refuses under tracing), HF's own answer. One function per original,
+    so Dynamo's guard on the global holds from call to call. None for a signature this does
+    not know."""
+    names = list(inspect.signature(original).parameters)
+    known = {"padding_mask", "kv_length", "q_offset", "local_attention_size"}
+    length = "q_length" if "q_length" in names else "query_length"
+    if not known | {length} <= set(names):
+        return None
+    at = {name: names.index(name) for name in (*known, length)}
+
+    def value(args: tuple, kwargs: dict, name: str) -> Any:
+        return args[at[name]] if len(args) > at[name] else kwargs.get(name)
+
+    def answered(*args: Any, **kwargs: Any) -> bool:
+        q_offset = value(args, kwargs, "q_offset")
+        if value(args, kwargs, "padding_mask") is not None or isinstance(q_offset, torch.Tensor):
+            return original(*args, **kwargs)
+        q_length, kv_length = value(args, kwargs, length), value(args, kwargs, "kv_length")
+        local = value(args, kwargs, "local_attention_size")
+        if local is not None and kv_length >= local:
+            return False
+        return q_length == 1 or kv_length == q_length or q_offset == 0
+
+    return answered
 
 
 def _dynamo_config(name: str, value: Any) -> Any:
@@ -162,11 +200,9 @@ def _dynamo_config(name: str, value: Any) -> Any:
 
 @torch._dynamo.disable
 def _put_back(held: dict) -> None:
+    masking = _module("transformers.masking_utils")
     for name, value in held.items():
-        if name == "find_packed_sequence_indices":
-            _module("transformers.masking_utils").find_packed_sequence_indices = value
-        else:
-            setattr(torch._dynamo.config, name, value)
+        setattr(masking if hasattr(masking, name) else torch._dynamo.config, name, value)
 
 
 @functools.cache
@@ -229,7 +265,8 @@ def _install_output_hooks(model: nn.Module, arguments: dict) -> bool:
     for module in model.modules():
         if not is_hf_model(module):
             continue
-        flags = registry.get(module) or {}
+        # Keyed by the class's string in every 5.x (a plain dict before 5.24).
+        flags = dict.get(registry, str(module.__class__)) or {}
         config = getattr(module, "config", None)
         if any(arguments.get(f"output_{key}", getattr(config, f"output_{key}", False)) for key in flags):
             asked = True

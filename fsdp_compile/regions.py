@@ -551,6 +551,8 @@ def _make_region(block: nn.Module, layout: RegionLayout, path: str) -> None:
                 "_mfsdp_region_base": cls,
                 "_apply": _refresh_params,
                 "_mfsdp_note_graded": _note_graded,
+                "__module__": cls.__module__,  # printed as the user's (see api._install_properties)
+                "__qualname__": cls.__qualname__,
             },
         )
     block.__class__ = _REGION_CLASSES[cls]
