@@ -151,7 +151,9 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
         )
     masking = _module("transformers.masking_utils")
     original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is not None and not unread and _single_text_model(model) and _unpacked(arguments.get("position_ids")):
+    positions = arguments.get("position_ids")
+    # HF's own positions need no value read: a captured step gets the answer too.
+    if original is not None and _single_text_model(model) and (positions is None or not unread and _unpacked(positions)):
         masking.find_packed_sequence_indices = _never_packed
         held["find_packed_sequence_indices"] = original
     skip = getattr(masking, "_ignore_causal_mask_sdpa", None)
@@ -211,18 +213,15 @@ def _signature(forward: Any) -> inspect.Signature:
 
 
 def _say_unread(model: str, given: list[str]) -> None:
-    if given:
-        _warn_unread(model, tuple(given))
-
-
-@functools.cache
-def _warn_unread(model: str, given: tuple[str, ...]) -> None:
+    """Said once (Python's default warning filter keeps the first of a message)."""
+    if not given:
+        return
     warnings.warn(
         f"{model} was called with {', '.join(given)} in a captured step (capture_step), which "
         "cannot read their values: HF builds its attention mask in the graph (no "
         "FlashAttention, no grouped-query attention), right for whatever a replay brings. For "
         "batches without padding or packing, pass neither and HF's causal fast path is taken.",
-        stacklevel=4,
+        stacklevel=5,
     )
 
 

@@ -174,6 +174,26 @@ def test_a_padded_batch_keeps_hf_mask():
 
 
 @pytest.mark.structure
+def test_a_captured_step_reads_no_input_values_and_keeps_the_fast_path_it_can():
+    """capture_step replays values capture never saw, so inside ``inputs_unread`` nothing is
+    decided from values: HF's own positions still need none (fast path; the first GPU run
+    of a captured 8B step lost 70 ms of attention without this), and a given mask is left to
+    HF, whose masked path is right for any replay (said once)."""
+    from fsdp_compile.hf import inputs_unread
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    for extra, masked in (({}, False), ({"attention_mask": torch.ones_like(tokens)}, True)):
+        with fake_process_group(8), inputs_unread(), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            model = fully_shard(_build("llama"))
+            backend = MfsdpBackend(compiler="eager")
+            torch.compile(model, backend=backend)(**_inputs("llama", tokens, **extra)).loss.backward()
+        calls = _sdpa_calls(backend)
+        assert calls and all(c["mask"] == masked and c["causal"] != masked for c in calls), (extra, calls)
+        assert any("captured step" in str(w.message) for w in said) == masked
+
+
+@pytest.mark.structure
 def test_a_hook_that_replaces_an_output_inside_a_block_is_refused():
     """A forward hook inside a block is called after the block's body (NOTE: hooks inside a
     repeated block): one returning a replacement output would be ignored, so it is refused
