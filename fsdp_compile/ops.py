@@ -17,11 +17,11 @@ What each strategy does (``Strategy``; docs/user_guide.md has the table):
   of the whole averaged gradient every rank keeps.
 - ``no_shard``: the local tensor is the whole parameter; all-reduce the gradient.
 
-With a replicate group (HSDP) the reduced gradient is then all-reduced across replicas. The sum
-is divided by ``grad_divisor``, the ranks the gradient is averaged over: the whole mesh for
-data-parallel parameters, the whole data-parallel world for expert-parallel ones (their
-gradient already sums the tokens of the EP group; see NOTE: expert gradient scale, in
-fsdp_compile/expert_parallel.py).
+With a replicate group (HSDP) the reduced gradient is then all-reduced across replicas. The
+gradient is averaged over ``grad_divisor`` ranks: the whole mesh for data-parallel parameters,
+the whole data-parallel world for expert-parallel ones (their gradient already sums the tokens
+of the EP group; see NOTE: expert gradient scale, in fsdp_compile/expert_parallel.py). How:
+``gradient_reduce_op`` (NOTE: averaging in the collective).
 Gradient accumulation: given an ``accumulator`` the backward reduces nothing and hands the full
 gradient to the accumulator (autograd sums it into ``accumulator.grad``); given ``pending``
 (the sum of earlier micro-batches) the backward adds it before the one reduction.
@@ -29,6 +29,7 @@ gradient to the accumulator (autograd sums it into ``accumulator.grad``); given 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -41,6 +42,8 @@ __all__ = [
     "reduce_grad",
     "padded_rows",
     "local_rows",
+    "gradient_reduce_op",
+    "GradReduceOp",
     "Strategy",
     "STRATEGIES",
     "GATHERING_STRATEGIES",
@@ -53,6 +56,11 @@ GATHERING_STRATEGIES = frozenset(STRATEGIES) - {"no_shard"}
 """Strategies whose parameters are stored sharded and gathered for use."""
 SCATTERING_STRATEGIES = frozenset({"optim_grads", "optim_grads_params"})
 """Strategies whose gradients are reduce-scattered (the others all-reduce)."""
+
+GradReduceOp = Literal["sum", "avg"]
+AVERAGING_BACKENDS = frozenset({"nccl", "fake"})
+"""Process-group backends whose collectives average (``ReduceOp.AVG``): NCCL, and the fake
+group that one-GPU benchmarks stand in for it with. gloo has no AVG."""
 
 # torch 2.13 names these *_single and deprecates the *_tensor spellings; older torch (the
 # GPU images we benchmark on) only has the latter.
@@ -69,6 +77,36 @@ def local_rows(global_rows: int, world: int, rank: int) -> int:
     """Rows rank ``rank`` owns of a dim-0 size ``global_rows`` (``torch.chunk`` semantics)."""
     rows = padded_rows(global_rows, world)
     return max(0, min(rows, global_rows - rank * rows))
+
+
+def gradient_reduce_op(
+    group_name: str, replicate_group_name: str, grad_divisor: int, reduce_dtype: torch.dtype
+) -> GradReduceOp:
+    """How a gradient's collectives reduce: "avg", or "sum" and then a division by
+    ``grad_divisor`` (NOTE: averaging in the collective).
+
+    NOTE: averaging in the collective
+        A gradient is averaged over ``grad_divisor`` ranks. Summed in the collective and then
+        divided, that is one more kernel over the reduced gradient; NCCL averages in the
+        collective itself (``ReduceOp.AVG``), as FSDP2 has it do. So the reduction averages
+        where every group it runs over (the shard group, the replicate group under HSDP) is
+        one whose backend averages (``AVERAGING_BACKENDS``) and has more than one rank (NCCL's
+        AVG on one rank is unreliable, FSDP2 says), where their sizes multiply to
+        ``grad_divisor`` (not for expert-parallel parameters, averaged over more ranks than
+        their groups hold), and where ``reduce_dtype`` is fp32 or bf16 (FSDP2's rule: no
+        overflow risk). Elsewhere (gloo, which has no AVG) it sums and divides. The eager
+        marker asks here at every call, the compiled lowering reads the answer from the plan
+        (``ParamPlan.reduce_op``, which the planner asks here): compiled and eager reduce alike
+        on every backend.
+    """
+    if reduce_dtype not in (torch.float32, torch.bfloat16):
+        return "sum"
+    groups = [_resolve_process_group(name) for name in (group_name, replicate_group_name) if name]
+    sizes = [group.size() for group in groups]
+    averages = all(dist.get_backend(group) in AVERAGING_BACKENDS for group in groups)
+    if averages and min(sizes) > 1 and math.prod(sizes) == grad_divisor:
+        return "avg"
+    return "sum"
 
 
 def pad_rows(tensor: Tensor, rows: int) -> Tensor:
@@ -131,15 +169,18 @@ def reduce_grad(
     shard_dtype: torch.dtype,
     grad_divisor: int,
 ) -> Tensor:
-    """Sum ``full_grad`` (+ ``pending``) over the group in ``reduce_dtype``, divide by
-    ``grad_divisor`` and return this rank's ``shard_rows`` rows in ``shard_dtype``.
+    """Average ``full_grad`` (+ ``pending``) over ``grad_divisor`` ranks in ``reduce_dtype``
+    and return this rank's ``shard_rows`` rows in ``shard_dtype``.
 
     ``shard_dtype`` is the stored parameter's dtype, so under mixed precision an fp32 reduction
-    lands as an fp32 ``.grad`` without a detour through bf16. SUM then divide: gloo has no AVG
-    reduce op, and one code path keeps ranks bitwise alike.
+    lands as an fp32 ``.grad`` without a detour through bf16. The collectives average, or sum
+    and a division follows, as ``gradient_reduce_op`` says for these groups (NOTE: averaging
+    in the collective).
     """
     group = _resolve_process_group(group_name)
     world = group.size()
+    averages = gradient_reduce_op(group_name, replicate_group_name, grad_divisor, reduce_dtype) == "avg"
+    op = dist.ReduceOp.AVG if averages else dist.ReduceOp.SUM
     grad = full_grad.to(reduce_dtype)
     if pending is not None:
         grad = grad + pending
@@ -147,17 +188,19 @@ def reduce_grad(
         rows = padded_rows(full_grad.shape[0], world)
         padded = pad_rows(grad, rows * world).contiguous()
         reduced = padded.new_empty((rows, *full_grad.shape[1:]))
-        _reduce_scatter(reduced, padded, group=group)
+        _reduce_scatter(reduced, padded, op=op, group=group)
         first = 0
     else:
         reduced = grad.contiguous().clone() if grad is full_grad else grad.contiguous()
-        dist.all_reduce(reduced, group=group)
+        dist.all_reduce(reduced, op=op, group=group)
         first = padded_rows(full_grad.shape[0], world) * group.rank() if strategy == "optim" else 0
     if replicate_group_name:
-        dist.all_reduce(reduced, group=_resolve_process_group(replicate_group_name))
-    # Divide before taking the rows: for ``optim`` the rows stay a view of the whole averaged
-    # gradient, which every rank keeps (ZeRO-1 shards only the optimizer state).
-    return reduced.div_(grad_divisor)[first : first + shard_rows].to(shard_dtype)
+        dist.all_reduce(reduced, op=op, group=_resolve_process_group(replicate_group_name))
+    if not averages:
+        # Divide before taking the rows: for ``optim`` the rows stay a view of the whole
+        # averaged gradient, which every rank keeps (ZeRO-1 shards only the optimizer state).
+        reduced.div_(grad_divisor)
+    return reduced[first : first + shard_rows].to(shard_dtype)
 
 
 @reduce_grad.register_fake

@@ -7,17 +7,18 @@ The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = onl
     a flat parameter's (fsdp_compile/flat_params.py), traced and joint
         flat ─ unshard ─ split_gathered ─ getitem (per member) ─[slice]──> use
         grads (per member) ─ pack_for_reduce_scatter ─ view ─ reduce_grad ──> the flat's .grad
-    lowered (joint graph; casts only under mixed precision, [+ pending] only after accumulation)
+    lowered (joint graph; casts only under mixed precision, [+ pending] only after accumulation,
+    div only where the plan's reduce_op is "sum": see NOTE: averaging in the collective, in ops.py)
         shard ─[cast]─[pad]─ all_gather_into_tensor ─ wait_tensor ─[slice]─ view* ──> use
         grad ─[cast]─[+ pending]─[pad]─ reduce_scatter_tensor ─ wait_tensor
-             ─[all_reduce ─ wait_tensor]─[slice]─ div ─[cast]──> .grad     (ZeRO-2/3, [HSDP])
-        grad ─[cast]─[+ pending]─ all_reduce ─ wait_tensor ─[slice]─ div ─[cast]──> .grad
+             ─[all_reduce ─ wait_tensor]─[slice]─[div]─[cast]──> .grad     (ZeRO-2/3, [HSDP])
+        grad ─[cast]─[+ pending]─ all_reduce ─ wait_tensor ─[slice]─[div]─[cast]──> .grad
                                                                            (no_shard, optim)
     bucketed (partitioned graphs; collectives tagged meta["mfsdp_bucket"], see bucket_collectives)
         shards ─ _pre_bucket_all_gather (copy-in) ─ all_gather_into_tensor_out ─ wait_tensor
             ─ split_gathered (copy-out) ─ getitem (per parameter) ─[slice]─ view* ──> use
         grads ─ pack_for_reduce_scatter (copy-in) ─ reduce_scatter_tensor ─ wait_tensor ─ split
-            ─ view (per parameter) ─[slice]─ div ──> .grad
+            ─ view (per parameter) ─[slice]─[div]──> .grad
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 
 from fsdp_compile.api import ShardInfo
 from fsdp_compile.errors import CompileUsageError
-from fsdp_compile.ops import GATHERING_STRATEGIES, SCATTERING_STRATEGIES
+from fsdp_compile.ops import GATHERING_STRATEGIES, SCATTERING_STRATEGIES, GradReduceOp
 
 __all__ = ["BackendOptions", "BucketPlan", "ParamPlan", "Plan", "dtype_name"]
 
@@ -127,6 +127,8 @@ class ParamPlan:
     """This rank's index in the shard group (``optim`` keeps these rows of the all-reduced gradient)."""
     requires_grad: bool
     """False for frozen parameters: gathered, never reduce-scattered."""
+    reduce_op: GradReduceOp = "sum"
+    """How its gradient's collectives reduce: "avg", or "sum" and a division by ``grad_divisor`` (``ops.gradient_reduce_op``)."""
 
     @property
     def param_id(self) -> int:
@@ -182,6 +184,7 @@ class ParamPlan:
             "replicate_world": s.replicate_world,
             "grad_divisor": s.grad_divisor,
             "requires_grad": self.requires_grad,
+            "reduce_op": self.reduce_op,
             "reshard_after_forward": s.reshard_after_forward,
             "members": list(s.members),
         }

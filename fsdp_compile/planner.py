@@ -7,9 +7,10 @@ NOTE: bucket rules
     A bucket is a run of parameters, consecutive in the order the forward first reads them, that
     share a key: their ``fully_shard`` unit, or, when the root was the only unit, the repeated block
     their fqn names (``layers.3.`` of ``layers.3.attn.wqkv.weight``), plus whether they are freed
-    after forward, their process groups, strategy, wire dtype and gradient-reduction dtype, so a
-    bucket never mixes groups, strategies, dtypes or reshard decisions. A run longer than the byte
-    cap is split greedily; a parameter larger than the cap is a bucket of its own.
+    after forward, their process groups, strategy, wire dtype, gradient-reduction dtype and reduce
+    op, so a bucket never mixes groups, strategies, dtypes, reduce ops or reshard decisions. A run
+    longer than the byte cap is split greedily; a parameter larger than the cap is a bucket of its
+    own.
 
     Parameters kept gathered from forward to backward (the root's own under NOTE: the reshard
     default, in fsdp_compile/api.py) form one bucket per key wherever the forward reads them:
@@ -32,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile.api import repeated_block, shard_info
 from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.ops import gradient_reduce_op
 from fsdp_compile.patterns import is_unshard, marker_param_id
 from fsdp_compile.plan import BackendOptions, BucketPlan, ParamPlan, Plan
 
@@ -81,6 +83,7 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
                 dtype=local.dtype,
                 rank=_resolve_process_group(info.group_name).rank(),
                 requires_grad=value.requires_grad,
+                reduce_op=gradient_reduce_op(info.group_name, info.replicate_group_name, info.grad_divisor, info.reduce_dtype),
             )
         )
     graph_name = gm.meta.get("dynamo_compile_id", None) or getattr(gm, "_mfsdp_name", "graph")
@@ -139,6 +142,7 @@ def plan_buckets(
             # (bytes packed byte-exactly, see NOTE: bucket layout in bucket_collectives).
             s.param_dtype,
             s.reduce_dtype,
+            p.reduce_op,  # one reduce-scatter reduces its members one way
         )
 
     def fits(run: list[ParamPlan] | None, param: ParamPlan) -> bool:

@@ -224,6 +224,9 @@ def test_no_expert_parameter_shares_a_group_with_a_dense_parameter(fused, shard_
     assert not {p.sharding.group_name for p in plan_experts} & {p.sharding.group_name for p in dense}
     assert not {p.sharding.unit for p in plan_experts} & {p.sharding.unit for p in dense}
     assert {(p.sharding.world, p.sharding.grad_divisor) for p in plan_experts} == {(WORLD // EP, WORLD)}
+    # Averaged over more ranks than their group holds: summed, then divided by the world
+    # (NOTE: averaging in the collective); the dense ones average on this group.
+    assert {p.reduce_op for p in plan_experts} == {"sum"} and {p.reduce_op for p in dense} == {"avg"}
     (edp_group,) = {p.sharding.group_name for p in plan_experts}
     # No DP bucket holds an expert parameter: a bucket is all experts or none.
     for bucket in graph.plan.buckets:

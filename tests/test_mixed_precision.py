@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fsdp_compile.ops
 from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
-from fsdp_compile.patterns import is_all_gather, is_reduce_scatter
+from fsdp_compile.patterns import is_all_gather, is_all_reduce, is_ours, is_reduce_scatter
 from harness import (
     build_model,
     fake_process_group,
@@ -47,6 +48,44 @@ def test_bf16_on_the_wire_fp32_reduction_fp32_grads():
         assert param.dtype == torch.float32, name
         if param.requires_grad:
             assert param.grad.dtype == torch.float32, name
+
+
+def _bf16_step(**options):
+    """The compiled graph of one bf16 step on rank 0 of the fake world-8 group."""
+    cfg = TransformerConfig()
+    with fake_process_group(8):
+        model = fully_shard(build_model(cfg), mp_policy=BF16)
+        backend = MfsdpBackend(compiler="eager", **options)
+        tokens, targets = make_batch(cfg, 2, 8, 0)
+        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
+    (graph,) = backend.graphs
+    return graph
+
+
+def _reduce_ops_and_divisions(gm) -> tuple[set[str], int]:
+    """The ops a backward graph's gradient collectives reduce with, and the divisions of a
+    reduced gradient lowering made."""
+    ops = {n.args[1] for n in gm.graph.nodes if is_reduce_scatter(n) or is_all_reduce(n)}
+    divisions = sum(n.target is torch.ops.aten.div.Tensor and is_ours(n) for n in gm.graph.nodes)
+    return ops, divisions
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole-graph"])
+def test_gradients_average_in_the_collective_where_the_group_can(regional, monkeypatch):
+    """On a group whose backend averages (NCCL, and the fake group one-GPU benchmarks stand
+    in for it with) every gradient collective averages and no division follows: SUM and then
+    a division kernel reads and writes every reduced gradient once more. Where the backend
+    cannot (gloo), SUM and the division remain (NOTE: averaging in the collective)."""
+    graph = _bf16_step(regional=regional)
+    assert {p.reduce_op for p in graph.plan.params} == {"avg"}
+    assert _reduce_ops_and_divisions(graph.backward) == ({"avg"}, 0)
+    torch._dynamo.reset()
+    monkeypatch.setattr(fsdp_compile.ops, "AVERAGING_BACKENDS", frozenset())  # as on gloo
+    graph = _bf16_step(regional=regional)
+    assert {p.reduce_op for p in graph.plan.params} == {"sum"}
+    ops, divisions = _reduce_ops_and_divisions(graph.backward)
+    assert ops == {"sum"} and divisions == len(graph.plan.trainable)
 
 
 def _bf16_run(rank, world, *, cfg, modes, steps):

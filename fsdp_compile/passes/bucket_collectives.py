@@ -23,9 +23,10 @@ NOTE: bucket layout
     gathers' pad copies only; the buffer is freed once the copy-out has read it.
     reduce-scatter: one ``pack_for_reduce_scatter`` (FSDP2's ``_chunk_cat``) lays the members'
     full gradients out rank-major (the single copy in); one ``reduce_scatter_tensor`` returns
-    this rank's row, and members are views of it. SUM then divide by world, per member, exactly
-    as unbucketed: bucketing changes no arithmetic, only where bytes sit. Both copies are one
-    op each, opaque to the compiler: fsdp_compile/bucket_copies.py says why.
+    this rank's row, and members are views of it. It reduces with the members' op (one per
+    bucket: NOTE: bucket rules) and, under "sum", each member divides its rows as unbucketed:
+    bucketing changes no arithmetic, only where bytes sit. Both copies are one op each,
+    opaque to the compiler: fsdp_compile/bucket_copies.py says why.
 """
 
 from __future__ import annotations

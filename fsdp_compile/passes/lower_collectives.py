@@ -12,10 +12,12 @@ from fsdp_compile.patterns import (
     ALL_REDUCE,
     REDUCE_SCATTER,
     WAIT,
+    is_all_reduce,
     is_float8_cast,
     is_marker,
     is_pack_for_reduce_scatter,
     is_reduce_grad,
+    is_reduce_scatter,
     is_split_gathered,
     is_unshard,
     is_view,
@@ -97,25 +99,32 @@ def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx
     pending = marker.args[1]
     if pending is not None:  # the micro-batches accumulated without sync
         grad = call(graph, aten.add.Tensor, grad, pending)
-    # SUM then divide, as the eager marker does (gloo has no AVG): see fsdp_compile/ops.py.
+    # The collectives average, or sum and a division follows, as the plan says and the eager
+    # marker does (NOTE: averaging in the collective, in fsdp_compile/ops.py).
+    op, group_name = param.reduce_op, param.sharding.group_name
     if param.scatters:
         padded = _pad_rows(graph, grad, param.padded_rows * param.sharding.world)
-        reduced = call(graph, REDUCE_SCATTER, padded, "sum", param.sharding.world, param.sharding.group_name)
+        reduced = call(graph, REDUCE_SCATTER, padded, op, param.sharding.world, group_name)
     else:
-        reduced = call(graph, ALL_REDUCE, grad, "sum", param.sharding.group_name)
+        reduced = call(graph, ALL_REDUCE, grad, op, group_name)
     reduced = call(graph, WAIT, reduced)
     if param.sharding.replicate_group_name:
-        reduced = call(graph, WAIT, call(graph, ALL_REDUCE, reduced, "sum", param.sharding.replicate_group_name))
+        reduced = call(graph, WAIT, call(graph, ALL_REDUCE, reduced, op, param.sharding.replicate_group_name))
     if param.sharding.strategy == "optim":
         # Average the whole gradient, then view this rank's rows: every rank keeps the whole
         # averaged gradient (ZeRO-1), as the eager marker does.
-        averaged = call(graph, aten.div.Tensor, reduced, param.sharding.grad_divisor)
+        averaged = _averaged(graph, reduced, param)
         first = param.padded_rows * param.rank
         mine = call(graph, aten.slice.Tensor, averaged, 0, first, first + param.shard_rows)
     else:
-        rows = _first_rows(graph, reduced, param.shard_rows)
-        mine = call(graph, aten.div.Tensor, rows, param.sharding.grad_divisor)
+        mine = _averaged(graph, _first_rows(graph, reduced, param.shard_rows), param)
     return _cast(graph, mine, param.dtype)
+
+
+def _averaged(graph: fx.Graph, reduced: fx.Node, param: ParamPlan) -> fx.Node:
+    if param.reduce_op == "avg":
+        return reduced
+    return call(graph, aten.div.Tensor, reduced, param.sharding.grad_divisor)
 
 
 def _flat_copies(marker: fx.Node) -> list[fx.Node]:
@@ -145,8 +154,9 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards no marker is left: each ``unshard`` is a cast/pad/all_gather/wait/slice chain
     (only the cast for ``no_shard``) and each ``reduce_grad`` a reduce-scatter (ZeRO-2/3) or
     all-reduce (``optim``, ``no_shard``) chain, then the HSDP all-reduce across replicas, on the
-    parameter's groups, sizes, world and dtypes taken from the plan (the chains are drawn in
-    fsdp_compile/patterns.py). Numerics match the eager markers.
+    parameter's groups, sizes, world, dtypes and reduce op taken from the plan (the chains are
+    drawn in fsdp_compile/patterns.py): with "sum" a division by ``grad_divisor`` follows, with
+    "avg" none. Numerics match the eager markers.
     """
     for marker in list(gm.graph.nodes):
         if not is_marker(marker):
@@ -181,3 +191,9 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 def check_lower_collectives(gm: fx.GraphModule, plan: Plan) -> None:
     left = [n.format_node() for n in gm.graph.nodes if is_marker(n) or is_float8_cast(n)]
     assert not left, f"markers left after lowering: {left}"
+    for node in gm.graph.nodes:
+        param_id = node.meta.get("mfsdp_param_id")
+        reduces = is_reduce_scatter(node) or (is_all_reduce(node) and not node.meta.get("mfsdp_amax"))
+        if param_id is not None and reduces:
+            planned = plan.param(param_id).reduce_op
+            assert node.args[1] == planned, f"{node.name} reduces with {node.args[1]!r}, the plan says {planned!r}"
