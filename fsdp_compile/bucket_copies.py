@@ -69,16 +69,31 @@ def _split_gathered_backward(ctx, grads: list[Tensor | None]):
 
 
 @torch.library.custom_op("fsdp_compile::pack_for_reduce_scatter", mutates_args=())
-def pack_for_reduce_scatter(grads: list[Tensor], world: int) -> Tensor:
+def pack_for_reduce_scatter(grads: list[Tensor], world: int, dtype: torch.dtype | None = None) -> Tensor:
     """The members' full gradients laid out rank-major, flat: rank ``r``'s slot holds row block
     ``r`` of every member, in member order. Every gradient's dim 0 is a multiple of ``world``
-    (padded by lowering)."""
-    return torch._chunk_cat(grads, 0, world).view(-1)
+    (padded by lowering). In ``dtype`` (the gradients' own when None): the copy casts as it
+    goes, as FSDP2's copy-in into its reduce-dtype buffer does, so a gradient reduced in
+    another dtype than it was computed in is written once (NOTE: gradients packed once, in
+    fsdp_compile/passes/pack_in_reduce_dtype.py)."""
+    packed = _packed_like(grads, dtype)
+    torch._chunk_cat(grads, 0, world, out=packed.view(world, -1))
+    return packed
+
+
+def widens(source: torch.dtype, target: torch.dtype) -> bool:
+    """Every ``source`` value is a ``target`` value (bf16 or fp16 to fp32): casting changes
+    none, so a pack may cast as it copies."""
+    return source.is_floating_point and target.is_floating_point and torch.promote_types(source, target) == target
+
+
+def _packed_like(grads: list[Tensor], dtype: torch.dtype | None) -> Tensor:
+    return grads[0].new_empty(sum(g.numel() for g in grads), dtype=dtype or grads[0].dtype)
 
 
 @pack_for_reduce_scatter.register_fake
-def _(grads, world) -> Tensor:
-    return grads[0].new_empty(sum(g.numel() for g in grads))
+def _(grads, world, dtype=None) -> Tensor:
+    return _packed_like(grads, dtype)
 
 
 split_gathered.register_autograd(_split_gathered_backward, setup_context=_split_gathered_setup)

@@ -46,6 +46,7 @@ ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 SPLIT_GATHERED = torch.ops.fsdp_compile.split_gathered.default
 PACK_FOR_REDUCE_SCATTER = torch.ops.fsdp_compile.pack_for_reduce_scatter.default
+CONVERT_ELEMENT_TYPE = torch.ops.prims.convert_element_type.default
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 
@@ -129,6 +130,19 @@ def is_rng_state(node: fx.Node) -> bool:
     """A read of the random generators' state for a block call's recompute (passes
     save_block_rng and replay_block_rng)."""
     return _calls(node, RNG_STATE)
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` converts its input to, where it does nothing else: a
+    ``convert_element_type``, or a ``_to_copy`` given only a dtype (how autograd casts a
+    gradient to its input's dtype); None for any other node."""
+    if node.op != "call_function":
+        return None
+    if node.target is CONVERT_ELEMENT_TYPE:
+        return node.args[1]
+    if node.target is torch.ops.aten._to_copy.default and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
+        return node.kwargs["dtype"]
+    return None
 
 
 def grad_mode_set(node: fx.Node) -> bool | None:

@@ -92,6 +92,7 @@ def build_pipeline(plan: Plan) -> Pipeline:
     joint = [
         Pass("constant_opaque_outputs", "joint", passes.constant_opaque_outputs, passes.check_constant_opaque_outputs),
         Pass("lower_collectives", "joint", passes.lower_collectives, passes.check_lower_collectives),
+        Pass("pack_in_reduce_dtype", "joint", passes.pack_in_reduce_dtype, passes.check_pack_in_reduce_dtype),
         Pass("reshard", "joint", passes.reshard, passes.check_reshard),
         Pass("save_block_rng", "joint", passes.save_block_rng, passes.check_save_block_rng),
     ]

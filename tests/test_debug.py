@@ -42,10 +42,11 @@ def test_dump_folder_holds_every_promised_file(tmp_path):
         "03_joint.py",
         "04_constant_opaque_outputs.py",
         "05_lower_collectives.py",
-        "06_reshard.py",
-        "07_save_block_rng.py",
-        "08_forward.py",
-        "09_backward.py",
+        "06_pack_in_reduce_dtype.py",
+        "07_reshard.py",
+        "08_save_block_rng.py",
+        "09_forward.py",
+        "10_backward.py",
     ]
     # The repeated block's body, a frame of its own compiled once for all layers, has a folder
     # of its own beside the step's.

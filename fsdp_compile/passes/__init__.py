@@ -3,7 +3,8 @@
 Order (see ``fsdp_compile.pipeline.build_pipeline``):
   Dynamo graph:  (check_graph_breaks, only with options["cuda_graph"])
                  -> drop_block_probes -> dedupe_unshards -> check_rank_agreement
-  joint graph:   constant_opaque_outputs -> lower_collectives -> reshard -> save_block_rng
+  joint graph:   constant_opaque_outputs -> lower_collectives -> pack_in_reduce_dtype -> reshard
+                 -> save_block_rng
                  -> (min-cut partition)
   partitioned:   replay_block_rng -> bucket_collectives -> schedule_collectives (forward
                  and backward)
@@ -21,6 +22,7 @@ from fsdp_compile.passes.constant_opaque_outputs import (
 from fsdp_compile.passes.drop_block_probes import check_drop_block_probes, drop_block_probes
 from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_unshards
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
+from fsdp_compile.passes.pack_in_reduce_dtype import check_pack_in_reduce_dtype, pack_in_reduce_dtype
 from fsdp_compile.passes.replay_block_rng import check_replay_block_rng, replay_block_rng
 from fsdp_compile.passes.reshard import check_reshard, reshard, saved_gathered_params
 from fsdp_compile.passes.save_block_rng import check_save_block_rng, save_block_rng
@@ -50,6 +52,8 @@ __all__ = [
     "check_constant_opaque_outputs",
     "lower_collectives",
     "check_lower_collectives",
+    "pack_in_reduce_dtype",
+    "check_pack_in_reduce_dtype",
     "reshard",
     "check_reshard",
     "saved_gathered_params",

@@ -22,7 +22,9 @@ NOTE: bucket layout
     copy in (1/world of the bucket), one copy out (the bucket), against per-parameter
     gathers' pad copies only; the buffer is freed once the copy-out has read it.
     reduce-scatter: one ``pack_for_reduce_scatter`` (FSDP2's ``_chunk_cat``) lays the members'
-    full gradients out rank-major (the single copy in); one ``reduce_scatter_tensor`` returns
+    full gradients out rank-major (the single copy in, which casts them to the reduce dtype
+    as it copies where each member's cast widens: NOTE: gradients packed once, in
+    passes/pack_in_reduce_dtype.py); one ``reduce_scatter_tensor`` returns
     this rank's row, and members are views of it. It reduces with the members' op (one per
     bucket: NOTE: bucket rules) and, under "sum", each member divides its rows as unbucketed:
     bucketing changes no arithmetic, only where bytes sit. Both copies are one op each,
@@ -39,6 +41,7 @@ import torch
 from torch._inductor.fx_passes.bucketing import _ALL_DTYPES, _compute_foreach_groups, pick_bucket_dtype
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+from fsdp_compile.bucket_copies import widens
 from fsdp_compile.compat import pre_bucket_all_gather_args
 from fsdp_compile.fx_utils import call, finish, inserting
 from fsdp_compile.patterns import (
@@ -49,6 +52,7 @@ from fsdp_compile.patterns import (
     SPLIT_GATHERED,
     WAIT,
     bucket_index,
+    cast_dtype,
     collective_facts,
     is_all_gather,
     is_collective,
@@ -135,13 +139,28 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node]) -> tuple[list[fx.Nod
     return new_nodes, outputs
 
 
+def _copied_in(scatters: list[fx.Node]) -> tuple[list[fx.Node], tuple]:
+    """What a bucket's copy-in reads, and its dtype argument: the members' inputs, or where
+    each is a widening cast from one dtype that nothing else reads, what they cast: the
+    copy-in casts as it copies (NOTE: bucket layout)."""
+    inputs = [n.args[0] for n in scatters]
+    if not all(cast_dtype(c) is not None and len(c.users) == 1 for c in inputs):
+        return inputs, ()
+    sources = {c.args[0].meta["val"].dtype for c in inputs}
+    dtype = inputs[0].meta["val"].dtype
+    if len(sources) != 1 or not widens(sources.pop(), dtype):
+        return inputs, ()
+    return [c.args[0] for c in inputs], (dtype,)
+
+
 def _merge_scatters(graph: fx.Graph, scatters: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     """One ``reduce_scatter_tensor`` for ``scatters`` (see NOTE: bucket layout), inserted after
     the last; returns the new nodes and each member's reduced rows."""
     _, op, world, group_name = scatters[0].args
     vals = [n.args[0].meta["val"] for n in scatters]
     with inserting(graph, after=scatters[-1]) as new_nodes:
-        flat = call(graph, PACK_FOR_REDUCE_SCATTER, [n.args[0] for n in scatters], world)
+        grads, dtype = _copied_in(scatters)
+        flat = call(graph, PACK_FOR_REDUCE_SCATTER, grads, world, *dtype)
         reduced = call(graph, WAIT, call(graph, REDUCE_SCATTER, flat, op, world, group_name))
         pieces = call(graph, aten.split_with_sizes.default, reduced, [v.numel() // world for v in vals])
         outputs = [

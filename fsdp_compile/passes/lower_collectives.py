@@ -95,18 +95,20 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
 
 
 def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
-    grad = _cast(graph, marker.args[0], param.sharding.reduce_dtype)
-    pending = marker.args[1]
+    grad, pending = marker.args[0], marker.args[1]
+    dtype = param.sharding.reduce_dtype
     if pending is not None:  # the micro-batches accumulated without sync
-        grad = call(graph, aten.add.Tensor, grad, pending)
+        grad = call(graph, aten.add.Tensor, _cast(graph, grad, dtype), pending)
     # The collectives average, or sum and a division follows, as the plan says and the eager
     # marker does (NOTE: averaging in the collective, in fsdp_compile/ops.py).
     op, group_name = param.reduce_op, param.sharding.group_name
     if param.scatters:
-        padded = _pad_rows(graph, grad, param.padded_rows * param.sharding.world)
+        # Cast last, as the collective's input: a pack (pack_in_reduce_dtype) or a bucket's
+        # copy-in (bucket_collectives) takes it over and casts as it copies.
+        padded = _cast(graph, _pad_rows(graph, grad, param.padded_rows * param.sharding.world), dtype)
         reduced = call(graph, REDUCE_SCATTER, padded, op, param.sharding.world, group_name)
     else:
-        reduced = call(graph, ALL_REDUCE, grad, op, group_name)
+        reduced = call(graph, ALL_REDUCE, _cast(graph, grad, dtype), op, group_name)
     reduced = call(graph, WAIT, reduced)
     if param.sharding.replicate_group_name:
         reduced = call(graph, WAIT, call(graph, ALL_REDUCE, reduced, op, param.sharding.replicate_group_name))
