@@ -187,12 +187,7 @@ def _saved_bytes(outputs: list[Tensor], besides: list[Tensor]) -> Any:
     The simulator's memory count charges them from the block's forward to its backward."""
     skip = {StorageWeakRef(t.untyped_storage()) for t in besides}
     saved: dict[StorageWeakRef, Any] = {}
-    stack, seen = [t.grad_fn for t in outputs], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in _graph_nodes(outputs):
         for name in dir(node):
             if name.startswith("_saved_") or name == "saved_tensors":
                 value = getattr(node, name)
@@ -201,8 +196,19 @@ def _saved_bytes(outputs: list[Tensor], besides: list[Tensor]) -> Any:
                         ref = StorageWeakRef(tensor.untyped_storage())
                         if ref not in skip:
                             saved[ref] = tensor.untyped_storage().nbytes()
-        stack.extend(next_node for next_node, _ in node.next_functions)
     return sum(saved.values())
+
+
+def _graph_nodes(outputs: list[Tensor]) -> Iterator[Any]:
+    """Each autograd node ``outputs`` depend on, once."""
+    stack, seen = [t.grad_fn for t in outputs], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> dict:
@@ -409,16 +415,10 @@ def _consumers(outputs: list[Tensor], weights: list[Tensor]) -> Iterator[tuple[A
     """Each autograd node that reads one of ``weights`` (leaves) directly, with the weight's
     index, among the nodes ``outputs`` depend on."""
     accumulators = {_accumulator_of(w): i for i, w in enumerate(weights) if w.requires_grad}
-    stack, seen = [t.grad_fn for t in outputs], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in _graph_nodes(outputs):
         for next_node, _ in node.next_functions:
             if next_node in accumulators:
                 yield node, accumulators[next_node]
-            stack.append(next_node)
 
 
 def _accumulator_of(leaf: Tensor) -> Any:
