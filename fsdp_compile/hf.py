@@ -141,14 +141,13 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
             if isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool(mask.all()):
                 arguments[name] = None
     held = {}
-    if _install_output_hooks(model, arguments) and getattr(model, "is_gradient_checkpointing", False):
+    checkpointed = getattr(model, "is_gradient_checkpointing", False)
+    if _install_output_hooks(model, arguments) and checkpointed and hasattr(torch._dynamo.config, _SKIP_REPLAY):
         # HF's output hooks append to its collector, outside the checkpoint region of each
         # layer, which Dynamo refuses (a graph break per layer) unless the recompute in the
         # backward skips that side effect; eager's recompute appends nothing either (the
         # collector is gone by then).
-        held["skip_fwd_side_effects_in_bwd_under_checkpoint"] = _dynamo_config(
-            "skip_fwd_side_effects_in_bwd_under_checkpoint", True
-        )
+        held[_SKIP_REPLAY] = _dynamo_config(_SKIP_REPLAY, True)
     masking = _module("transformers.masking_utils")
     original = getattr(masking, "find_packed_sequence_indices", None)
     positions = arguments.get("position_ids")
@@ -192,6 +191,9 @@ def _answered_skip(original: Any) -> Any:
         return q_length == 1 or kv_length == q_length or q_offset == 0
 
     return answered
+
+
+_SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
 def _dynamo_config(name: str, value: Any) -> Any:
