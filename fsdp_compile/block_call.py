@@ -58,6 +58,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_compile.compat import compiling
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
 
@@ -229,6 +230,7 @@ def _fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> 
             fake_mode or contextlib.nullcontext(),
             _leaving_no_trace(call.block(), fake_mode),
             torch.autograd.set_multithreading_enabled(False),
+            compiling(),
         ):
             outputs[key] = _run_on_fakes(call, weights, tensors)
     return outputs[key]

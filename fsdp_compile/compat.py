@@ -103,3 +103,19 @@ def pre_bucket_all_gather_args(ins, world: int, group_name: str, dtype, out_dtyp
     schema = torch.ops.bucketing._pre_bucket_all_gather.default._schema
     named = {a.name for a in schema.arguments}
     return (ins, world, *((group_name,) if "group_name" in named else ()), dtype, out_dtype_ints, rank, foreach_groups)
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Inside, ``torch.compiler.is_compiling()`` is True, as torch 2.13 holds it for the whole
+    of a compile: code the compile runs but Dynamo does not trace (a block's Python on fake
+    tensors, run by its op's fake kernel) then takes the branch it takes when traced. torch
+    2.11 answers False there, and HF's MoE experts, which fall back from ``grouped_mm`` to a
+    custom op when compiling in a dtype other than bf16, called ``grouped_mm`` on fake fp32
+    tensors, whose meta kernel refuses them ("Expected inputs of BF16 type")."""
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before

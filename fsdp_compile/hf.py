@@ -141,7 +141,9 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
             if isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool(mask.all()):
                 arguments[name] = None
     held = {}
-    checkpointed = getattr(model, "is_gradient_checkpointing", False)
+    # HF renamed the property in 5.24 and warns on the old name.
+    renamed = hasattr(type(model), "is_activation_checkpointing")
+    checkpointed = getattr(model, "is_activation_checkpointing" if renamed else "is_gradient_checkpointing", False)
     if _install_output_hooks(model, arguments) and checkpointed and hasattr(torch._dynamo.config, _SKIP_REPLAY):
         # HF's output hooks append to its collector, outside the checkpoint region of each
         # layer, which Dynamo refuses (a graph break per layer) unless the recompute in the

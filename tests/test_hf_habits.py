@@ -22,6 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 128, 16
 
+_DYNAMO_TRACES_DEEPCOPY = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
 
 def _config(family: str, **overrides):
     """A tiny model of ``family`` with its HF defaults (``use_cache=True`` among them), no
@@ -112,7 +114,7 @@ def test_every_layer_is_one_block_call_with_hf_default_config(family):
     as eagerly (T5: an encoder-decoder cache, the decoder's layers; GPT-2 and the MoEs too)."""
     from torch._dynamo.utils import counters
 
-    breaks = sum(counters["graph_break"].values())
+    breaks = dict(counters["graph_break"])
     with fake_process_group(8), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         model = fully_shard(_build(family))
@@ -121,9 +123,16 @@ def test_every_layer_is_one_block_call_with_hf_default_config(family):
         out = torch.compile(model, backend=backend)(**_inputs(family, tokens))
         out.loss.backward()
     assert not [w for w in said if "outside every compiled graph" in str(w.message)]
-    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert not [w for w in said if "deprecated" in str(w.message)]  # nothing of ours calls HF's old names
+    new_breaks = {reason for reason, count in counters["graph_break"].items() if count != breaks.get(reason, 0)}
+    if family == "t5" and not _DYNAMO_TRACES_DEEPCOPY:
+        # HF's encoder-decoder cache deep-copies the config, which Dynamo traces from torch
+        # 2.13: before, the step breaks there, and each layer is still one block call.
+        assert new_breaks and all(reason.startswith("copy.deepcopy()") for reason in new_breaks), new_breaks
+    else:
+        assert not new_breaks and len(backend.graphs) == 1, new_breaks
     layers = 4 if family == "t5" else 2
-    assert len(backend.graphs) == 1 and _block_calls(backend) == layers
+    assert _block_calls(backend) == layers
     assert all(len(bodies) == 1 for bodies in backend.bodies.values()), {k: len(v) for k, v in backend.bodies.items()}
     cache = out.past_key_values
     if family == "t5":
