@@ -28,10 +28,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-# name preset fake-world batch seq share-seconds. The GPU shares come from the last H100 runs
-# (docs/performance.md, "The GPU rows"): one-time costs 3-4 s, warm-up 7-11 s for
-# fsdp2-compile and 14-25 s for mfsdp, steps of 0.43 s (8B) and 1.3 s (70B), each mode built
-# and materialised apart; Python's start, the profiled step's kernel trace and capture on top.
+# name preset fake-world batch seq share-seconds. The GPU shares come from the H100 runs of
+# 2026-11-26 and 27: one-time costs 3-4 s, warm-up 7-11 s for fsdp2-compile and 14-25 s for
+# mfsdp (docs/performance.md, "Compile time"), steps of 0.43 s (8B) and 1.3 s (70B), each mode
+# built and materialised apart; Python's start, the profiled step's kernel trace and capture on top.
 if ((smoke)); then
     rows=(
         "8b hf-llama-tiny 8 1 64 150"

@@ -5,7 +5,7 @@ NOTE: one op per block call
     compilation (``nested_compile_region``, ``invoke_subgraph``) still pays per call: Dynamo
     checks each call's reuse against the body's guards in Python, AOTAutograd runs the
     higher-order op's autograd rule per call. On the CPU proxy that was about 55 ms a layer
-    (docs/performance.md, "Compile time"), where FSDP2 + per-block compile pays nothing per
+    (docs/design.md, "One body per repeated block"), where FSDP2 + per-block compile pays nothing per
     layer: each layer after the first finds its compiled frame in Dynamo's cache.
 
     So, compiled by mfsdp, a region (fsdp_compile/regions.py) gathers its flat parameters in

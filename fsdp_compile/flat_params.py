@@ -6,8 +6,8 @@ NOTE: flat parameters
 
     - Compile time. Dynamo wraps, guards and lifts every parameter a graph reads as an input of
       its own, and AOTAutograd unwraps each DTensor input and traces its marker with autograd:
-      about 20 ms per parameter on the CPU proxy, nine parameters a layer (docs/performance.md,
-      "Compile time"). A flat parameter is one input and one marker per block.
+      about 16 ms per parameter on the CPU proxy, nine parameters a layer (docs/design.md,
+      "One body per repeated block"). A flat parameter is one input and one marker per block.
     - The step. The all-gather reads the flat shard where it lies (no copy-in); the
       reduce-scatter's result is the flat's gradient, of which each member's ``.grad`` is a view
       (no copy-out).
@@ -29,7 +29,7 @@ NOTE: flat parameters
     is no module parameter: nothing but the compiled step reads it. So it is a plain tensor,
     this rank's buffer, not a DTensor: a DTensor input costs the step's trace per layer what
     its subclass brings (Dynamo's guards on its spec and mesh, AOTAutograd's unwrapping),
-    and its sharding is in its ``ShardInfo`` anyway (docs/performance.md, "Compile time").
+    and its sharding is in its ``ShardInfo`` anyway (docs/design.md, "One body per repeated block").
 
     Gradients. Autograd accumulates the flat's ``.grad`` (a plain tensor); a
     post-accumulate-grad hook then hands each member its rows as a DTensor view (added to a

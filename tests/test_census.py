@@ -1,8 +1,8 @@
 """The census: a layer of an HF model compiled by mfsdp against the same layer compiled by
 FSDP2 + per-block ``torch.compile``, on the CPU, graph against graph.
 
-The first GPU rows lost 15% of the step to attention that only the H100 could show (HF's
-traced root gave SDPA a mask: docs/performance.md). What a layer computes is visible without
+Attention that only a GPU's timings show is one way a step loses to FSDP2's: HF's root, traced,
+gave SDPA a mask (docs/design.md, "HF's attention masks, decided before the trace"). What a layer computes is visible without
 a GPU: the attention op and its shapes, the ops that are not matmuls (each one a kernel, on a
 GPU memory-bound), the bytes they write, and what the forward saves for the backward. Each
 is held at or below FSDP2 + per-block compile's, per layer, so the next regression of that
