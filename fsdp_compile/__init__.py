@@ -15,14 +15,11 @@ from fsdp_compile.api import (
 from fsdp_compile.capture import CapturedStep, capture_step
 from fsdp_compile.clip import clip_grad_norm_
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend, mfsdp_backend, register
-from fsdp_compile.compat import gather_cpu_tensors_one_work_each
 from fsdp_compile.errors import UsageError
 from fsdp_compile.expert_parallel import expert_mesh
 from fsdp_compile.explain import Explanation, explain
 from fsdp_compile.schedule import Hardware
 from fsdp_compile.plan import BackendOptions, Plan
-
-gather_cpu_tensors_one_work_each()  # every step's gathers on gloo (compat.py says why)
 
 __all__ = [
     "fully_shard",

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from fsdp_compile.compat import gather_cpu_tensors_one_work_each
 from fsdp_compile.errors import UsageError
 from fsdp_compile.expert_parallel import (
     ExpertParam,
@@ -677,6 +678,8 @@ def fully_shard(
         dense_world = mesh.size() if mesh is not None else dist.get_world_size()
         check_expert_parallel(marked, expert_mesh, dense_world, strategy, shard_experts)
     mesh = mesh if mesh is not None else _default_mesh(module)
+    if mesh.device_type == "cpu":
+        gather_cpu_tensors_one_work_each()  # every step's gathers on gloo (compat.py says why)
     shard_dim = mesh.ndim - 1
     group_name = mesh.get_group(shard_dim).group_name
     replicate_group_name = mesh.get_group(0).group_name if mesh.ndim == 2 else ""

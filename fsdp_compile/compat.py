@@ -40,8 +40,9 @@ def gather_cpu_tensors_one_work_each() -> None:
     ``_allgather_base`` (``dist.all_gather_into_tensor``, the ``_out`` op) ran 20,000
     iterations clean (2 ranks on 127.0.0.1, docs/design.md, "Gloo's concurrent gathers").
     A prefetched step always has two in flight. The result and its ``wait_tensor`` are the
-    same; CUDA tensors keep torch's kernel. Called once, at import: a kernel registered in
-    a process stays for its life."""
+    same; CUDA tensors keep torch's kernel. Called by ``fully_shard`` on a CPU mesh, the
+    first call registers it: importing the package changes nothing in torch. A kernel
+    registered in a process stays for its life."""
     global _GATHER_ON_CPU
     if _GATHER_ON_CPU is None and torch.distributed.is_available():
         _GATHER_ON_CPU = torch.library.Library("_c10d_functional", "IMPL")

@@ -100,6 +100,29 @@ def test_backend_registered_through_entry_point_without_import():
     assert out.stdout.strip() == "ok"
 
 
+@pytest.mark.structure
+def test_importing_changes_nothing_in_torch_and_a_cpu_fully_shard_installs_the_gloo_gather():
+    """Importing the package registers no kernel over torch's (torch's functional collectives
+    imported first register theirs; the package adds only its own ops); the gloo
+    gather (compat.gather_cpu_tensors_one_work_each) is installed by the first fully_shard on
+    a CPU mesh, the call that needs it."""
+    script = (
+        "import torch, torch.distributed, torch.distributed._functional_collectives\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "gather = '_c10d_functional::all_gather_into_tensor'\n"
+        "before = torch._C._dispatch_dump(gather)\n"
+        "import fsdp_compile\n"
+        "assert torch._C._dispatch_dump(gather) == before, 'import registered a kernel'\n"
+        "torch.distributed.init_process_group('fake', rank=0, world_size=2, store=FakeStore())\n"
+        "fsdp_compile.fully_shard(torch.nn.Linear(4, 4))\n"
+        "assert torch._C._dispatch_dump(gather) != before, 'fully_shard on a CPU mesh did not install it'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 class _RankDependentModel(nn.Module):
     """Reads a different parameter on rank 0 than elsewhere: FSDP would hang on this."""
 

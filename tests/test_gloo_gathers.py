@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_compile import compat
 from harness import spawn
 
 pytestmark = pytest.mark.multirank
@@ -26,6 +27,7 @@ ROUNDS = 20_000
 
 
 def _gather_rounds(rank: int, world: int) -> list[torch.Tensor]:
+    compat.gather_cpu_tensors_one_work_each()  # what fully_shard on a CPU mesh installs
     gather = torch.ops._c10d_functional.all_gather_into_tensor.default
     wait = torch.ops._c10d_functional.wait_tensor.default
     group = dist.group.WORLD.group_name
