@@ -9,7 +9,7 @@ NPROC ?= 2
 LOWEST_TORCH ?= 2.11.0
 LOWEST_VENV ?= .venv-torch-lowest
 
-.PHONY: install demo test test-suite test-lowest-torch clean
+.PHONY: install demo test test-suite test-structure test-multirank test-lowest-torch clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,13 @@ test: test-suite test-lowest-torch
 
 test-suite: install
 	$(PY) -m pytest tests
+
+# One tier, for the change at hand: the single-process tier in minutes, the spawning one.
+test-structure: install
+	$(PY) -m pytest -m structure tests
+
+test-multirank: install
+	$(PY) -m pytest -m multirank tests
 
 $(LOWEST_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(LOWEST_VENV)
