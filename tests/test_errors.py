@@ -83,6 +83,15 @@ def test_usage_errors_are_value_errors():
     assert issubclass(UsageError, ValueError)
 
 
+def _runs_to_the_end(script: str) -> None:
+    """``script`` in a fresh interpreter (nothing this process imported or registered) runs
+    to its last line."""
+    command = [sys.executable, "-c", script + "print('ok')\n"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 @pytest.mark.structure
 def test_backend_registered_through_entry_point_without_import():
     """torch.compile(backend="mfsdp") resolves in a script that never imports fsdp_compile."""
@@ -93,11 +102,8 @@ def test_backend_registered_through_entry_point_without_import():
         "x = torch.randn(3)\n"
         "torch.testing.assert_close(f(x), x.sin() + 1)\n"
         "assert 'fsdp_compile' in sys.modules\n"
-        "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    _runs_to_the_end(script)
 
 
 @pytest.mark.structure
@@ -116,11 +122,8 @@ def test_importing_changes_nothing_in_torch_and_a_cpu_fully_shard_installs_the_g
         "torch.distributed.init_process_group('fake', rank=0, world_size=2, store=FakeStore())\n"
         "fsdp_compile.fully_shard(torch.nn.Linear(4, 4))\n"
         "assert torch._C._dispatch_dump(gather) != before, 'fully_shard on a CPU mesh did not install it'\n"
-        "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    _runs_to_the_end(script)
 
 
 class _RankDependentModel(nn.Module):
