@@ -24,11 +24,12 @@ NOTE: one op per block call
       op's fake kernel runs the block's Python once per structure and input layout on fake
       tensors (``_outputs``), and the real call checks its outputs against them.
     - The gathered weights go into the frame as slots (``_slot``): tensors of their own that
-      share the gathered storage. The frame's autograd graph saves the slots it needs (its
-      partitioner recomputes every view and copy-out of them: ``reshard``), so after the
-      forward each slot lets go of the storage (``slot.data``), the step frees the gathered
-      weights as planned, and ``block_backward`` points the slots at the weights the step
-      gathered again. Resharding after forward holds as in a whole-step graph.
+      share the gathered storage (a flat's, its members copied out: NOTE: a flat's copies in
+      the block call). The frame's autograd graph saves the slots it needs (its partitioner
+      recomputes every view of them: ``reshard``), so after the forward each slot lets go of
+      the storage (``slot.data``), the step frees the gathered weights as planned, and
+      ``block_backward`` points the slots at the weights the step gathered again. Resharding
+      after forward holds as in a whole-step graph.
     - The frame's autograd graph waits for its backward in ``_PENDING``, keyed by a token
       tensor the op returns and the step saves for backward; an entry whose token died
       unused (a checkpointed block recomputed in backward, a forward never differentiated) is
@@ -39,6 +40,23 @@ NOTE: one op per block call
       the partitioner saves it, and the recompute replays it and puts the generators back,
       as ``torch.utils.checkpoint`` does eagerly (passes ``save_block_rng`` and
       ``replay_block_rng``). Inside a body, AOTAutograd handles its own random ops.
+
+NOTE: a flat's copies in the block call
+    A flat parameter (NOTE: flat parameters, in flat_params.py) is gathered as one tensor, its
+    members are copied out of it (``split_gathered``), and their gradients are packed back
+    rank-major for its one reduce-scatter (``pack_for_reduce_scatter``). A block call makes
+    both copies itself, around the body's frame: the frame takes the members as its gathered
+    weights (``_body_weights``), and ``block_backward`` packs their gradients in the flat's
+    ``reduce_dtype`` where that widens ``param_dtype`` (``_gradients_of``, ``FlatCopy``).
+    Inside the frame the pack could only come out in the gathered weight's dtype, since a
+    compiled graph's gradient of an input takes the input's dtype (autograd casts it): under
+    bf16 compute and fp32 reduction the step then cast the whole gathered-size gradient to
+    fp32 once more, where FSDP2 writes its fp32 buffer straight from the bf16 gradients. The
+    step's graph still sees one weight and one gradient per flat. Autograd casts that
+    gradient to the weight's dtype on its way to the marker and the lowering casts it back:
+    an exact round trip, which the pass ``pack_in_reduce_dtype`` removes (NOTE: gradients
+    packed once). The copies are the kernels the body ran before, once per forward and once
+    per backward, and the body still saves its weights only as its inputs (``reshard``).
 """
 
 from __future__ import annotations
@@ -58,11 +76,30 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_compile.bucket_copies import pack_for_reduce_scatter, split_gathered
 from fsdp_compile.compat import compiling
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
 
-__all__ = ["BlockCall", "register_call", "call_record", "BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE"]
+__all__ = [
+    "BlockCall", "FlatCopy", "register_call", "call_record", "BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE",
+]
+
+
+@dataclass(frozen=True)
+class FlatCopy:
+    """A gathered flat parameter as a block call hands it to the body and its gradient back
+    (NOTE: a flat's copies in the block call)."""
+
+    unpack: tuple
+    """``split_gathered``'s arguments after the gathered flat (``FlatLayout.unpack_args``)."""
+    grad_dtype: torch.dtype
+    """What its members' gradients are packed in: the flat's ``reduce_dtype`` where that
+    widens its ``param_dtype`` (fp32 for bf16), else ``param_dtype``."""
+
+    @property
+    def members(self) -> int:
+        return len(self.unpack[1])
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +124,9 @@ class BlockCall:
     """Traced with grad enabled: the forward keeps its autograd graph for the backward."""
     backend: weakref.ref
     """The MfsdpBackend that compiles the body's frame (it outlives the step it compiled)."""
+    flats: tuple[FlatCopy, ...] = ()
+    """The first gathered weights are the block's flat parameters: how each is copied out
+    and its gradient packed (NOTE: a flat's copies in the block call)."""
     traced: dict = field(default_factory=dict)
     """Filled by the fake kernel: ``differentiable`` (which tensor leaves need a gradient),
     ``outputs`` (the metadata of the block's tensor outputs, then of its side values: NOTE:
@@ -94,8 +134,9 @@ class BlockCall:
     they are), ``side`` (the side values' form), ``cost``: the FLOPs and
     bytes of the body's forward and backward ops (see ``_RooflineCounter``),
     ``saved_bytes``: what its autograd graph keeps for the backward (see ``_saved_bytes``),
+    ``held_bytes``: what the call holds while it runs, forward and backward (``_held_bytes``),
     ``random``: whether its forward draws random numbers, and ``graded``: per gathered
-    weight, which of its members the backward gives a gradient (see ``_graded``)."""
+    weight, which of its members the backward gives a gradient (see ``_Graded``)."""
 
     def leaves(self, tensors: list[Tensor], stand_ins: dict[int, Any]) -> list[Any]:
         """The body's leaves: the tensors and constants in place, a cache stand-in where its
@@ -335,15 +376,17 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
     """The block's Python on fake tensors: what it returns, and what its forward and backward
     cost (the backward only when the call trains)."""
     versions = [t._version for t in tensors]
-    leaves = [t.detach().requires_grad_(call.train and t.is_floating_point()) for t in (*weights, *tensors)]
     forward, backward = _RooflineCounter(), _RooflineCounter()
+    with torch.no_grad(), forward:
+        body_weights = _body_weights(call, weights)
+    leaves = [t.detach().requires_grad_(call.train and t.is_floating_point()) for t in (*body_weights, *tensors)]
+    count = len(body_weights)
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     with _autograd_inside() if call.train else torch.no_grad(), forward:
         output = call.body(
-            call.block(), call.layout, call.recipe, side, *leaves[: len(weights)],
-            *call.leaves(leaves[len(weights) :], stand_ins),
+            call.block(), call.layout, call.recipe, side, *leaves[:count], *call.leaves(leaves[count:], stand_ins)
         )
-    if any(t._version != v for t, v in zip(leaves[len(weights) :], versions)):
+    if any(t._version != v for t, v in zip(leaves[count:], versions)):
         raise CompileUsageError(
             f"a repeated block ({type(call.block()).__name__}) writes in place to a tensor it "
             "was called with; its body cannot be compiled on its own. Compile with "
@@ -355,23 +398,35 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
     differentiable = [t for t in flat if t.requires_grad]
     saved_bytes = _saved_bytes(differentiable, besides=[*leaves, *flat])
     with _autograd_inside():  # to name the weights' nodes, as the backward's graph does
-        graded = _Graded(differentiable, leaves[: len(weights)])
+        graded = _Graded(differentiable, leaves[:count])
     if differentiable:
         with _autograd_inside(), backward:
             torch.autograd.grad(
                 differentiable, [leaf for leaf in leaves if leaf.requires_grad],
                 [torch.ones_like(t) for t in differentiable], allow_unused=True,
             )
+        # The call's pack of each flat's gradient, written once in its grad dtype.
+        backward.bytes += sum(w.numel() * f.grad_dtype.itemsize for w, f in zip(weights, call.flats))
     return {
-        "graded": graded.found(),
+        "graded": _graded_weights(call, graded.found()),
         "form": _form(output),
         "own": len(own),
         "side": side_form,
         "outputs": [_metadata(t) for t in flat],
         "cost": {"forward": (forward.flops, forward.bytes), "backward": (backward.flops, backward.bytes)},
         "saved_bytes": saved_bytes,
+        "held_bytes": _held_bytes(call, weights),
         "random": forward.random,
     }
+
+
+def _held_bytes(call: BlockCall, weights: list[Tensor]) -> dict[str, int]:
+    """What the call holds while it runs, beyond its inputs and the body's saved tensors (NOTE:
+    a flat's copies in the block call): the members it copies out of its flats for the
+    forward; their gradients and the gradients it packs from them in the backward."""
+    flats = list(zip(weights, call.flats))
+    members = sum(w.numel() * w.element_size() for w, _ in flats)
+    return {"forward": members, "backward": members + sum(w.numel() * f.grad_dtype.itemsize for w, f in flats)}
 
 
 class _Graded:
@@ -411,6 +466,16 @@ class _Graded:
         """Per weight: a flag per output of the node reading it (a flat's copy-out has one per
         member; any other reader one); empty for a weight the backward never reached."""
         return [self._reached.get(i, ()) for i in range(self._count)]
+
+
+def _graded_weights(call: BlockCall, found: list[tuple[bool, ...]]) -> list[tuple[bool, ...]]:
+    """``found`` (per weight the body took) per gathered weight: a flat's members one flag
+    each, whether the backward reached a node reading it; a weight on its own as found."""
+    graded, at = [], 0
+    for flat in call.flats:
+        graded.append(tuple(any(flags) for flags in found[at : at + flat.members]))
+        at += flat.members
+    return [*graded, *found[at:]]
 
 
 def _consumers(outputs: list[Tensor], weights: list[Tensor]) -> Iterator[tuple[Any, int]]:
@@ -483,13 +548,16 @@ BLOCK_GRADED = torch.ops.fsdp_compile.block_graded.default
 def block_backward(
     token: Tensor, weights: list[Tensor], tensors: list[Tensor], grads: list[Tensor | None], call: int
 ) -> list[Tensor]:
-    """Gradients of the weights, then of the tensors (zeros where none flows)."""
+    """Gradients of the weights, then of the tensors (zeros where none flows); a flat's in its
+    grad dtype (NOTE: a flat's copies in the block call)."""
     return _run_backward(_CALLS[call], token, weights, tensors, grads)
 
 
 @block_backward.register_fake
 def _(token, weights, tensors, grads, call) -> list[Tensor]:
-    return [torch.empty_like(t) for t in (*weights, *tensors)]
+    flats = _CALLS[call].flats
+    packed = [torch.empty_like(w, dtype=f.grad_dtype) for w, f in zip(weights, flats)]
+    return [*packed, *(torch.empty_like(t) for t in (*weights[len(flats) :], *tensors))]
 
 
 def _save(ctx, inputs, output) -> None:
@@ -731,6 +799,25 @@ def _storage(tensor: Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
+def _body_weights(call: BlockCall, weights: list[Tensor]) -> list[Tensor]:
+    """What the body takes for the gathered ``weights``: each flat's members copied out, then
+    the weights on their own (NOTE: a flat's copies in the block call)."""
+    members = [m for weight, flat in zip(weights, call.flats) for m in split_gathered(weight, *flat.unpack)]
+    return [*members, *weights[len(call.flats) :]]
+
+
+def _gradients_of(call: BlockCall, weights: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    """The gathered ``weights``' gradients from those of the body's weights (``grads``): each
+    flat's members' packed in its grad dtype (NOTE: a flat's copies in the block call), then
+    those of the weights on their own."""
+    packed, at = [], 0
+    for weight, flat in zip(weights, call.flats):
+        members = grads[at : at + flat.members]
+        packed.append(pack_for_reduce_scatter(members, flat.unpack[0], flat.grad_dtype).view(weight.shape))
+        at += flat.members
+    return [*packed, *grads[at:]]
+
+
 def _run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
     if "outputs" not in call.traced:
         # Dynamo ran the call instead of tracing it: its fake run failed, and Dynamo broke the
@@ -747,10 +834,12 @@ def _run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) 
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     if not call.train:
         with torch.no_grad():
-            output = frame(block, call.layout, call.recipe, side, *weights, *call.leaves(tensors, stand_ins))
+            output = frame(
+                block, call.layout, call.recipe, side, *_body_weights(call, weights), *call.leaves(tensors, stand_ins)
+            )
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
         return [*(t.detach() for t in outputs), token]
-    slots = [_slot(w) for w in weights]
+    slots = [_slot(w) for w in _body_weights(call, weights)]
     inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
     with _autograd_inside():
         output = frame(block, call.layout, call.recipe, side, *slots, *call.leaves(inputs, stand_ins))
@@ -767,7 +856,7 @@ def _run_backward(
     # graph stays for it, as the step's does.
     retained = torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
     _, outputs, slots, inputs = _PENDING[token.data_ptr()] if retained else _PENDING.pop(token.data_ptr())
-    for slot, weight in zip(slots, weights):
+    for slot, weight in zip(slots, _body_weights(call, weights)):
         slot.data = weight
     leaves = [*slots, *inputs]
     differentiable = [leaf for leaf in leaves if leaf.requires_grad]
@@ -778,10 +867,12 @@ def _run_backward(
             computed = torch.autograd.grad(
                 [o for o, _ in pairs], differentiable, [g for _, g in pairs], allow_unused=True, retain_graph=retained
             )
-    _release(slots)
     by_leaf = {id(leaf): grad for leaf, grad in zip(differentiable, computed)}
-    likes = [*weights, *tensors]
     found = [by_leaf.get(id(leaf)) for leaf in leaves]
-    found = [g if g is not None else torch.zeros_like(like) for g, like in zip(found, likes)]
+    # Zeros where none flows, shaped as the leaf (a slot's shape goes with its storage).
+    found = [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(found, leaves)]
+    _release(slots)  # the members copied out go before their gradients are packed
+    results = [*_gradients_of(call, weights, found[: len(slots)]), *found[len(slots) :]]
+    likes = [*weights, *tensors]
     arguments = [token, *weights, *tensors, *(g for g in grads if g is not None)]
-    return _unaliased(found, arguments, lambda i, g: torch.empty_like(likes[i]).copy_(g))
+    return _unaliased(results, arguments, lambda i, g: torch.empty_like(likes[i], dtype=g.dtype).copy_(g))

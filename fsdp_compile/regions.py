@@ -13,13 +13,14 @@ NOTE: one body per repeated block
       shards lie in flat parameters (NOTE: flat parameters, in flat_params.py), one marker
       each, and a parameter that fits no flat has a marker of its own (read from a dict on
       the block rather than through its submodules: one graph input each, no module walk);
-    - the body, ``_region``, copies each flat's members out (``split_gathered``) and runs the
-      block's own forward with the gathered tensors put in place of its parameters: stored
-      into each owning submodule's ``_parameters`` and put back after, in the body's own
-      frame (``_stored_in``), or, run eagerly or traced inline, with
-      ``torch.nn.utils.stateless._reparametrize_module``, which Dynamo accepts inside a
-      higher-order op (``_reparametrized``); the getters return such plain tensors as they
-      are (``api._gathered``).
+    - the body runs the block's own forward on each flat's members, copied out of it
+      (``split_gathered``: inline by the body itself, ``_region_inline``; around the body's
+      frame by its block call, NOTE: a flat's copies in the block call, in block_call.py),
+      put in place of its parameters: stored into each owning submodule's ``_parameters``
+      and put back after, in the body's own frame (``_stored_in``), or, run eagerly or
+      traced inline, with ``torch.nn.utils.stateless._reparametrize_module``, which Dynamo
+      accepts inside a higher-order op (``_reparametrized``); the getters return such plain
+      tensors as they are (``api._gathered``).
 
     Compiled by mfsdp, the body is one ``fsdp_compile::block_forward`` node per layer in the
     step's graph, and runs as a Dynamo frame of its own, compiled once per structure and
@@ -58,9 +59,10 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from fsdp_compile.api import marker_args, next_param_id, shard_info, unshard_marker
-from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, BlockCall, call_record, register_call
 from fsdp_compile import hf
+from fsdp_compile.api import ShardInfo, marker_args, next_param_id, shard_info, unshard_marker
+from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, BlockCall, FlatCopy, call_record, register_call
+from fsdp_compile.bucket_copies import widens
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.flat_params import check_linked, converted_flat, flat_groups, make_flat, note_graded
 from fsdp_compile.side_outputs import (
@@ -263,10 +265,10 @@ def _reparametrized(block: nn.Module, owners, weights, args, kwargs):
 
 
 def _region(block: nn.Module, layout: str, recipe: str, side: SideChannel, *leaves):
-    """The body: the gathered flats copied out into the block's parameters, then its forward
-    (its modules' forward hooks recorded into ``side``: NOTE: hooks inside a repeated
-    block)."""
-    owners, weights, args, kwargs, _ = _body_arguments(layout, recipe, leaves)
+    """The body: the block's forward with its parameters from the gathered weights, each
+    flat's members copied out by the call (NOTE: a flat's copies in the block call), its
+    modules' forward hooks recorded into ``side`` (NOTE: hooks inside a repeated block)."""
+    owners, weights, args, kwargs, _ = _body_arguments(layout, recipe, leaves, copied_out=True)
     held = recording_hooks(block, _recipe_of(recipe)[3], side)
     try:
         return _stored_in(block, owners, weights, args, kwargs)
@@ -276,7 +278,7 @@ def _region(block: nn.Module, layout: str, recipe: str, side: SideChannel, *leav
 
 def _region_inline(block: nn.Module, layout: str, recipe: str, *leaves):
     """The body run eagerly, or traced inline in the caller's frame (``regional=False``)."""
-    owners, weights, args, kwargs, copies = _body_arguments(layout, recipe, leaves)
+    owners, weights, args, kwargs, copies = _body_arguments(layout, recipe, leaves, copied_out=False)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # Run eagerly, each copy-out's node says at every backward which members have a
         # gradient (see NOTE: parameters without a gradient, in block_call.py).
@@ -297,18 +299,24 @@ def _note_graded(self: nn.Module, graded: list[tuple[bool, ...]]) -> None:
         note_graded(flat, flags, traced=True)
 
 
-def _body_arguments(layout: str, recipe: str, leaves: tuple) -> tuple:
+def _body_arguments(layout: str, recipe: str, leaves: tuple, copied_out: bool) -> tuple:
     """A body's leaves as the block's owning submodules, their weights, its forward's
-    arguments, and each flat's copied-out members."""
+    arguments, and each flat's copied-out members. The leaves start with the gathered
+    weights: each flat whole, or with ``copied_out`` its members (padded) one by one, then
+    the parameters on their own."""
     n_args, names, widths = _call_layout_of(layout)
     unpacks, slots, owners, _ = _recipe_of(recipe)
-    gathered, members, copies = leaves[: widths[0]], [], []
-    for full, (unpack, trims) in zip(gathered, unpacks):
-        copied = torch.ops.fsdp_compile.split_gathered.default(full, *unpack)
+    members, copies, at = [], [], 0
+    for unpack, trims in unpacks:
+        if copied_out:
+            copied, at = leaves[at : at + len(trims)], at + len(trims)
+        else:
+            copied, at = torch.ops.fsdp_compile.split_gathered.default(leaves[at], *unpack), at + 1
         copies.append(copied)
         members.extend(m if rows is None else m[:rows] for m, rows in zip(copied, trims))
-    members.extend(gathered[len(unpacks) :])
-    at, values = widths[0], []
+    alone = widths[0] - len(unpacks)
+    members.extend(leaves[at : at + alone])
+    at, values = at + alone, []
     for width in widths[1:]:
         if width == _NOT_OPENED:
             values.append(leaves[at])
@@ -374,11 +382,24 @@ def _block_call(
     block = _BLOCKS[block_key]
     name, body = _body_for(block)
     values = iter(constants)
+    unpacks = _RECIPES[int(recipe)][0]
+    flats = tuple(
+        FlatCopy(unpack=unpack, grad_dtype=_grad_dtype(shard_info(f)))
+        for (unpack, _), f in zip(unpacks, block._mfsdp_region_flats.values())
+    )
     call = register_call(BlockCall(
         block=weakref.ref(block), body=body, name=name, layout=layout, recipe=recipe,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
+        flats=flats,
     ))
     return call, not backend.options.regional
+
+
+def _grad_dtype(info: ShardInfo) -> torch.dtype:
+    """What a block call packs a flat's gradient in: its ``reduce_dtype`` where that holds
+    every ``param_dtype`` value (so autograd's cast to the weight's dtype and the lowering's
+    back are exact, NOTE: gradients packed once), else ``param_dtype``, cast as before."""
+    return info.reduce_dtype if widens(info.param_dtype, info.reduce_dtype) else info.param_dtype
 
 
 @torch._dynamo.assume_constant_result

@@ -22,7 +22,9 @@ allocates it to its last reader, views and waits alias their input, and a collec
 stays alive until its wait (the communication library holds it). A repeated block's call is
 one node whose body keeps activations of its own for the backward: they count from the
 block's forward call to its backward call (what autograd saves when the block runs on fake
-tensors, block_call.py; the body's temporaries inside one call are not counted). It covers
+tensors, block_call.py), and while it runs the call holds its flats' members copied out
+(forward), or their gradients and its pack of them (backward; NOTE: a flat's copies in the
+block call); the body's other temporaries inside one call are not counted. It covers
 what the graphs allocate, not the optimizer step or allocator fragmentation.
 
 ``benchmarks/simulated_table.py`` runs it on Llama-style 1B and 8B shapes traced by ``trace_step``
@@ -127,9 +129,19 @@ def peak_memory(gm: fx.GraphModule) -> int:
             alive += _nbytes(node)
         if node.target == BLOCK_FORWARD:
             alive += _saved_by_body(node)
-        peak = max(peak, alive)
+        peak = max(peak, alive + _held_by_call(node))
         alive -= frees.get(i, 0)
     return peak
+
+
+def _held_by_call(node: fx.Node) -> int:
+    """Bytes a block call holds while it runs that no node of the step does (0 for any other
+    node): its flats' members copied out for the forward; their gradients and their pack in
+    the backward (``block_call._held_bytes``)."""
+    if node.target not in (BLOCK_FORWARD, BLOCK_BACKWARD):
+        return 0
+    held = call_record(node.args[-1]).traced.get("held_bytes", {})
+    return int(held.get("forward" if node.target == BLOCK_FORWARD else "backward", 0))
 
 
 def _saved_by_body(node: fx.Node) -> int:

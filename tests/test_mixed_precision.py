@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from fsdp_compile.patterns import (
     cast_dtype,
     is_all_gather,
     is_all_reduce,
+    is_block_backward,
     is_ours,
     is_pack_for_reduce_scatter,
     is_reduce_scatter,
@@ -97,10 +100,11 @@ def test_gradients_average_in_the_collective_where_the_group_can(regional, monke
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("regional", [False], ids=["whole-graph"])
+@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole-graph"])
 def test_gradients_are_packed_once_in_the_reduce_dtype(regional):
     """Under bf16 compute and fp32 reduction every reduce-scatter reads what a pack wrote in
-    fp32 from the bf16 gradients: a bucket's copy-in or a flat's pack in the step. Packed in bf16 and cast after, every gathered-size gradient was read and
+    fp32 from the bf16 gradients: a bucket's copy-in, a flat's pack in the step, or a block
+    call's own. Packed in bf16 and cast after, every gathered-size gradient was read and
     written once more (estimated at 12 ms a step at 8B on an H100; NOTE: gradients packed
     once)."""
     graph = _bf16_step(regional=regional)
@@ -111,8 +115,11 @@ def test_gradients_are_packed_once_in_the_reduce_dtype(regional):
         while is_view(source):
             source = source.args[0]
         assert source.meta["val"].dtype == torch.float32 and cast_dtype(source) is None, source.format_node()
-        assert is_pack_for_reduce_scatter(source), source.format_node()
-        assert [g.meta["val"].dtype for g in source.args[0]] == [torch.bfloat16] * len(source.args[0])
+        block_call = source.args[0] if source.target is operator.getitem else source
+        if is_pack_for_reduce_scatter(source):
+            assert [g.meta["val"].dtype for g in source.args[0]] == [torch.bfloat16] * len(source.args[0])
+        else:
+            assert regional and is_block_backward(block_call), source.format_node()
 
 
 @pytest.mark.structure
@@ -161,8 +168,9 @@ def _bf16_gradients(rank, world, *, cfg):
 @pytest.mark.multirank
 def test_bf16_gradients_reduce_as_the_eager_markers_do():
     """On 2 gloo ranks (SUM and a division), a compiled step's bf16-computed, fp32-reduced
-    gradients equal the eager markers' bit for bit: packed once in fp32 (a flat's pack in the
-    step, a bucket's copy-in) they are the markers' bf16 packs cast after. The embedding's is left out: AOTAutograd's decomposition of its backward
+    gradients equal the eager markers' bit for bit: packed once in fp32 (a block call's own
+    pack, a flat's pack in the step, a bucket's copy-in) they are the markers' bf16 packs
+    cast after. The embedding's is left out: AOTAutograd's decomposition of its backward
     accumulates in fp32 where ATen's bf16 kernel accumulates in bf16."""
     for grads in spawn(_bf16_gradients, 2, cfg=TransformerConfig()):
         eager = grads.pop("none")

@@ -63,7 +63,7 @@ def test_a_body_call_costs_its_body(graphs):
     """The compute and the saved activations of a repeated block live in its body: compiled
     once (regional) or inlined (regional=False), the step costs about the same compute and
     peaks at about the same memory (within 15%: the partitioner saves and recomputes
-    differently around a body; measured 7.5% and 1.3%). A body call counted as one FLOP-less
+    differently around a body; measured 14% and 3%). A body call counted as one FLOP-less
     node made every regional step look almost free (the 1b shape's simulated step came out at
     112 ms against 683 ms); one whose body's saved activations went uncounted peaked 27%
     under the whole graph here (the 1b shape: 6 GiB against 83)."""
