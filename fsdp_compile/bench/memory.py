@@ -178,22 +178,20 @@ class AllocationSites:
     """``--memory-sites N`` on CUDA: the caching allocator records every allocation with its
     Python stack from before the model is built; at the end, what is live after the last timed
     step (what one step leaves for the next: weights, gradients, optimizer state, and anything
-    held by mistake) and at the timed steps' peak, by allocation site (``memory_by_site``).
+    held by mistake) and at the peak, by allocation site (``memory_by_site``). The peak spans
+    what the peak column's does on CUDA, from the model's build to the last step: warm-up and
+    a captured graph's capture included, where a captured step allocates all it uses.
 
     A debugging aid, not a measurement: recording stacks slows every allocation."""
 
     def __init__(self, device: torch.device, top: int) -> None:
         self.device, self.top = device, top
-        self.timed_from = 0
         torch.cuda.memory._record_memory_history(max_entries=_HISTORY_ENTRIES, stacks="python", device=device)
 
     def _events(self) -> list[dict]:
         return torch.cuda.memory._snapshot(self.device)["device_traces"][self.device.index or 0]
 
-    def warmup_done(self) -> None:
-        self.timed_from = len(self._events())
-
     def report(self) -> dict:
         events = self._events()
         torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
-        return memory_by_site(events, self.timed_from, self.top, dropped=len(events) >= _HISTORY_ENTRIES)
+        return memory_by_site(events, 0, self.top, dropped=len(events) >= _HISTORY_ENTRIES)

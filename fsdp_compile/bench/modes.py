@@ -275,8 +275,6 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
     profiled = issued_census(link.issued[issued_before:]) if emulated else profiled_census(prof)
 
     memory.warmup_done()
-    if sites:
-        sites.warmup_done()
     times, exposed = [], []
     for tokens, targets in tqdm(batches[2:], desc=mode, disable=dist.get_rank() != 0):
         blocked = getattr(link, "exposed_s", 0.0)

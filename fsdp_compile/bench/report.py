@@ -192,7 +192,7 @@ def _print_memory_sites(r: dict) -> None:
         return
     dropped = ", the oldest events dropped: sites undercounted" if sites["oldest_dropped"] else ""
     print(f"memory of {r['mode']} by allocation site ({sites['events']} allocator events{dropped}):")
-    for label, key in (("live after the last timed step", "after_steps"), ("live at the timed steps' peak", "at_peak")):
+    for label, key in (("live after the last timed step", "after_steps"), ("live at the peak (warm-up and capture included)", "at_peak")):
         print(f"  {label}: {sites[key + '_mib']:.1f} MiB")
         for site in sites[key]:
             print(f"    {site['mib']:10.1f} MiB {site['blocks']:6d} blocks  {site['site']}")
