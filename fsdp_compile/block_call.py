@@ -44,19 +44,20 @@ NOTE: one op per block call
 NOTE: a flat's copies in the block call
     A flat parameter (NOTE: flat parameters, in flat_params.py) is gathered as one tensor, its
     members are copied out of it (``split_gathered``), and their gradients are packed back
-    rank-major for its one reduce-scatter (``pack_for_reduce_scatter``). A block call makes
-    both copies itself, around the body's frame: the frame takes the members as its gathered
-    weights (``_body_weights``), and ``block_backward`` packs their gradients in the flat's
-    ``reduce_dtype`` where that widens ``param_dtype`` (``_gradients_of``, ``FlatCopy``).
-    Inside the frame the pack could only come out in the gathered weight's dtype, since a
-    compiled graph's gradient of an input takes the input's dtype (autograd casts it): under
-    bf16 compute and fp32 reduction the step then cast the whole gathered-size gradient to
-    fp32 once more, where FSDP2 writes its fp32 buffer straight from the bf16 gradients. The
-    step's graph still sees one weight and one gradient per flat. Autograd casts that
-    gradient to the weight's dtype on its way to the marker and the lowering casts it back:
-    an exact round trip, which the pass ``pack_in_reduce_dtype`` removes (NOTE: gradients
-    packed once). The copies are the kernels the body ran before, once per forward and once
-    per backward, and the body still saves its weights only as its inputs (``reshard``).
+    rank-major for its one reduce-scatter (``pack_for_reduce_scatter``). The block call copies
+    the members out around the body's frame, which takes them as its gathered weights
+    (``_body_weights``, ``FlatCopy``); ``block_backward`` returns their gradients one by one,
+    and the op's autograd formula packs them, so the pack is a node of the step's graph:
+    - inside the frame the pack could only come out in the gathered weight's dtype (a
+      compiled graph's gradient of an input takes the input's dtype), and the step would cast
+      the whole gathered-size gradient to fp32 once more; in the step's graph the pass
+      ``pack_in_reduce_dtype`` makes the pack write the reduce dtype itself (NOTE: gradients
+      packed once), as FSDP2's copy-in writes its fp32 buffer from the bf16 gradients;
+    - the pack moves with its reduce-scatter's issue, after the previous reduce-scatter's
+      wait (``schedule_collectives``), so one layer's packed gradient is alive at a time, as
+      FSDP2 frees the last reduce-scatter's input before packing the next one.
+    The copies are the kernels the body ran before, once per forward and once per backward,
+    and the body still saves its weights only as its inputs (``reshard``).
 """
 
 from __future__ import annotations
@@ -93,9 +94,6 @@ class FlatCopy:
 
     unpack: tuple
     """``split_gathered``'s arguments after the gathered flat (``FlatLayout.unpack_args``)."""
-    grad_dtype: torch.dtype
-    """What its members' gradients are packed in: the flat's ``reduce_dtype`` where that
-    widens its ``param_dtype`` (fp32 for bf16), else ``param_dtype``."""
 
     @property
     def members(self) -> int:
@@ -405,8 +403,6 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
                 differentiable, [leaf for leaf in leaves if leaf.requires_grad],
                 [torch.ones_like(t) for t in differentiable], allow_unused=True,
             )
-        # The call's pack of each flat's gradient, written once in its grad dtype.
-        backward.bytes += sum(w.numel() * f.grad_dtype.itemsize for w, f in zip(weights, call.flats))
     return {
         "graded": _graded_weights(call, graded.found()),
         "form": _form(output),
@@ -421,12 +417,11 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
 
 
 def _held_bytes(call: BlockCall, weights: list[Tensor]) -> dict[str, int]:
-    """What the call holds while it runs, beyond its inputs and the body's saved tensors (NOTE:
-    a flat's copies in the block call): the members it copies out of its flats for the
-    forward; their gradients and the gradients it packs from them in the backward."""
-    flats = list(zip(weights, call.flats))
-    members = sum(w.numel() * w.element_size() for w, _ in flats)
-    return {"forward": members, "backward": members + sum(w.numel() * f.grad_dtype.itemsize for w, f in flats)}
+    """What the call holds while it runs, beyond its inputs, outputs and the body's saved
+    tensors: the members it copies out of its flats, in the forward and again in the backward
+    (NOTE: a flat's copies in the block call)."""
+    members = sum(w.numel() * w.element_size() for w, _ in zip(weights, call.flats))
+    return {"forward": members, "backward": members}
 
 
 class _Graded:
@@ -548,16 +543,14 @@ BLOCK_GRADED = torch.ops.fsdp_compile.block_graded.default
 def block_backward(
     token: Tensor, weights: list[Tensor], tensors: list[Tensor], grads: list[Tensor | None], call: int
 ) -> list[Tensor]:
-    """Gradients of the weights, then of the tensors (zeros where none flows); a flat's in its
-    grad dtype (NOTE: a flat's copies in the block call)."""
+    """Gradients of the body's weights (a flat's members one by one: NOTE: a flat's copies in
+    the block call), then of the tensors; zeros where none flows."""
     return _run_backward(_CALLS[call], token, weights, tensors, grads)
 
 
 @block_backward.register_fake
 def _(token, weights, tensors, grads, call) -> list[Tensor]:
-    flats = _CALLS[call].flats
-    packed = [torch.empty_like(w, dtype=f.grad_dtype) for w, f in zip(weights, flats)]
-    return [*packed, *(torch.empty_like(t) for t in (*weights[len(flats) :], *tensors))]
+    return [torch.empty_like(t) for t in (*_body_weights(_CALLS[call], weights), *tensors)]
 
 
 def _save(ctx, inputs, output) -> None:
@@ -573,11 +566,12 @@ def _save(ctx, inputs, output) -> None:
 def _backward(ctx, grads: list[Tensor | None]):
     token, *saved = ctx.saved_tensors
     weights, tensors = saved[: ctx.counts[0]], saved[ctx.counts[0] :]
+    call = _CALLS[ctx.call]
     computed = block_backward(token, weights, tensors, list(grads[:-1]), ctx.call)
-    by_weight, by_tensor = computed[: len(weights)], computed[len(weights) :]
+    by_weight, by_tensor = _packed(call, weights, computed), computed[len(computed) - len(tensors) :]
     # A weight no member of which has a gradient gets none (see NOTE: parameters without a
     # gradient): no reduction runs for it, and its parameters' .grad stays None.
-    graded = _CALLS[ctx.call].traced["graded"]
+    graded = call.traced["graded"]
     by_weight = [g if any(flags) else None for g, flags in zip(by_weight, graded)]
     return by_weight, [g if d else None for g, d in zip(by_tensor, ctx.differentiable)], None, *[None] * ctx.kept
 
@@ -806,16 +800,15 @@ def _body_weights(call: BlockCall, weights: list[Tensor]) -> list[Tensor]:
     return [*members, *weights[len(call.flats) :]]
 
 
-def _gradients_of(call: BlockCall, weights: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
-    """The gathered ``weights``' gradients from those of the body's weights (``grads``): each
-    flat's members' packed in its grad dtype (NOTE: a flat's copies in the block call), then
-    those of the weights on their own."""
+def _packed(call: BlockCall, weights: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    """The gathered ``weights``' gradients from ``block_backward``'s: each flat's members'
+    packed (NOTE: a flat's copies in the block call), then those of the weights on their own."""
     packed, at = [], 0
     for weight, flat in zip(weights, call.flats):
         members = grads[at : at + flat.members]
-        packed.append(pack_for_reduce_scatter(members, flat.unpack[0], flat.grad_dtype).view(weight.shape))
+        packed.append(pack_for_reduce_scatter(members, flat.unpack[0]).view(weight.shape))
         at += flat.members
-    return [*packed, *grads[at:]]
+    return [*packed, *grads[at : at + len(weights) - len(call.flats)]]
 
 
 def _run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
@@ -871,8 +864,7 @@ def _run_backward(
     found = [by_leaf.get(id(leaf)) for leaf in leaves]
     # Zeros where none flows, shaped as the leaf (a slot's shape goes with its storage).
     found = [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(found, leaves)]
-    _release(slots)  # the members copied out go before their gradients are packed
-    results = [*_gradients_of(call, weights, found[: len(slots)]), *found[len(slots) :]]
-    likes = [*weights, *tensors]
     arguments = [token, *weights, *tensors, *(g for g in grads if g is not None)]
-    return _unaliased(results, arguments, lambda i, g: torch.empty_like(likes[i], dtype=g.dtype).copy_(g))
+    results = _unaliased(found, arguments, lambda i, g: torch.empty_like(leaves[i]).copy_(g))
+    _release(slots)
+    return results

@@ -9,8 +9,8 @@ The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = onl
         grads (per member) ─ pack_for_reduce_scatter ─ view ─ reduce_grad ──> the flat's .grad
     a flat a block call reads (NOTE: a flat's copies in the block call, in block_call.py), joint
         flat ─ unshard ─ block_forward            (the call copies the members out)
-        block_backward ─ getitem ─[_to_copy]─ reduce_grad ──> the flat's .grad
-            (the call packs the members' gradients in reduce_dtype; autograd casts to param_dtype)
+        block_backward ─ getitem (per member) ─ pack_for_reduce_scatter ─ view ─ reduce_grad ──> the flat's .grad
+            (the block op's autograd formula packs the members' gradients)
     lowered (joint graph; casts only under mixed precision, [+ pending] only after accumulation,
     div only where the plan's reduce_op is "sum": see NOTE: averaging in the collective, in ops.py)
         shard ─[cast]─[pad]─ all_gather_into_tensor ─ wait_tensor ─[slice]─ view* ──> use
@@ -122,10 +122,6 @@ def is_block_call(node: fx.Node) -> bool:
 
 def is_block_forward(node: fx.Node) -> bool:
     return _calls(node, BLOCK_FORWARD)
-
-
-def is_block_backward(node: fx.Node) -> bool:
-    return _calls(node, BLOCK_BACKWARD)
 
 
 def is_block_probe(node: fx.Node) -> bool:

@@ -60,9 +60,8 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile import hf
-from fsdp_compile.api import ShardInfo, marker_args, next_param_id, shard_info, unshard_marker
+from fsdp_compile.api import marker_args, next_param_id, shard_info, unshard_marker
 from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, BlockCall, FlatCopy, call_record, register_call
-from fsdp_compile.bucket_copies import widens
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.flat_params import check_linked, converted_flat, flat_groups, make_flat, note_graded
 from fsdp_compile.side_outputs import (
@@ -382,24 +381,13 @@ def _block_call(
     block = _BLOCKS[block_key]
     name, body = _body_for(block)
     values = iter(constants)
-    unpacks = _RECIPES[int(recipe)][0]
-    flats = tuple(
-        FlatCopy(unpack=unpack, grad_dtype=_grad_dtype(shard_info(f)))
-        for (unpack, _), f in zip(unpacks, block._mfsdp_region_flats.values())
-    )
+    flats = tuple(FlatCopy(unpack=unpack) for unpack, _ in _RECIPES[int(recipe)][0])
     call = register_call(BlockCall(
         block=weakref.ref(block), body=body, name=name, layout=layout, recipe=recipe,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
         flats=flats,
     ))
     return call, not backend.options.regional
-
-
-def _grad_dtype(info: ShardInfo) -> torch.dtype:
-    """What a block call packs a flat's gradient in: its ``reduce_dtype`` where that holds
-    every ``param_dtype`` value (so autograd's cast to the weight's dtype and the lowering's
-    back are exact, NOTE: gradients packed once), else ``param_dtype``, cast as before."""
-    return info.reduce_dtype if widens(info.param_dtype, info.reduce_dtype) else info.param_dtype
 
 
 @torch._dynamo.assume_constant_result

@@ -136,8 +136,8 @@ def peak_memory(gm: fx.GraphModule) -> int:
 
 def _held_by_call(node: fx.Node) -> int:
     """Bytes a block call holds while it runs that no node of the step does (0 for any other
-    node): its flats' members copied out for the forward; their gradients and their pack in
-    the backward (``block_call._held_bytes``)."""
+    node): its flats' members copied out, in the forward and again in the backward
+    (``block_call._held_bytes``)."""
     if node.target not in (BLOCK_FORWARD, BLOCK_BACKWARD):
         return 0
     held = call_record(node.args[-1]).traced.get("held_bytes", {})

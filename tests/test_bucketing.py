@@ -136,7 +136,9 @@ def test_waits_sit_at_first_use_and_prefetch_distance_holds(world, prefetch):
     """Each all-gather wait is followed by nothing but copy-out and other collectives before
     its bucket's first use; the gather ranked j is issued before the first use of bucket
     j - prefetch (all earlier ones when j < prefetch), forward and backward; each
-    reduce-scatter is waited only after the next one is issued."""
+    reduce-scatter is waited right before the next one's copy-in: after the compute that
+    makes the next bucket's gradients (which it overlaps, where there is any), and before
+    the next bucket is packed, so one packed bucket is alive at a time."""
     with fake_process_group(world):
         graph = _compile_step(prefetch=prefetch)
     for gm in (graph.forward, graph.backward):
@@ -152,7 +154,9 @@ def test_waits_sit_at_first_use_and_prefetch_distance_holds(world, prefetch):
         scatters = [n for n in nodes if is_reduce_scatter(n)]
         for rs, next_rs in zip(scatters, scatters[1:]):
             (wait,) = rs.users
-            assert nodes.index(wait) > nodes.index(next_rs)
+            assert nodes.index(rs) < nodes.index(wait) < nodes.index(next_rs)
+            compute = [n.name for n in nodes[nodes.index(wait) + 1 : nodes.index(next_rs)] if _costs_flops(n)]
+            assert not compute, (wait.name, next_rs.name, compute)
 
 
 def _costs_flops(node) -> bool:

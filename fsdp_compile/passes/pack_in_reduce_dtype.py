@@ -7,19 +7,13 @@ NOTE: gradients packed once
     packed rank-major for the reduce-scatter in bf16, and the lowered ``reduce_grad`` then
     casts the whole gathered-size gradient to fp32: one more read and write of it, which
     FSDP2 does not pay (its copy-in writes its fp32 buffer straight from the bf16 gradients).
-    Two places make that cast, and this pass removes it from both:
-
-    - A block traced inline (``regional=False``, or a flat read outside a block call): the
-      pack is a node of the step's graph. A widening cast of its result becomes the pack's
-      own ``dtype`` (``pack_for_reduce_scatter``, which casts as it copies): the copy of the
-      widened values is the widened copy.
-    - A block call (NOTE: a flat's copies in the block call, in block_call.py): the call
-      packs the members' gradients in ``reduce_dtype`` itself, and autograd casts the result
-      to the gathered weight's dtype (a gradient takes its input's dtype) before the marker
-      casts it back. Those values were ``param_dtype`` gradients, widened exactly, so both
-      casts are exact and the round trip is the identity: the reduction reads the call's
-      result. The call packs in ``reduce_dtype`` only where it widens ``param_dtype``
-      (``regions._grad_dtype``); the pass removes a round trip only there.
+    The pack is a node of the step's graph wherever a flat is: in a block traced inline
+    (``regional=False``, or a flat read outside a block call) it is the autograd rule of the
+    copy-out, and behind a block call it is the block op's autograd formula (NOTE: a flat's
+    copies in the block call, in block_call.py). A widening cast of its result becomes the
+    pack's own ``dtype`` (``pack_for_reduce_scatter``, which casts as it copies): the copy of
+    the widened values is the widened copy. The pack takes the cast's parameter tag, so it
+    moves with its reduce-scatter's issue (``schedule_collectives``).
 
     Every cast removed changes no value, so the numbers are the eager markers' (which pack
     in bf16 and cast), and every node removed is a cast or the pack it folds into. A
@@ -29,8 +23,6 @@ NOTE: gradients packed once
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
@@ -39,7 +31,6 @@ from fsdp_compile.fx_utils import call, finish, inserting
 from fsdp_compile.patterns import (
     PACK_FOR_REDUCE_SCATTER,
     cast_dtype,
-    is_block_backward,
     is_pack_for_reduce_scatter,
 )
 from fsdp_compile.plan import Plan
@@ -56,22 +47,6 @@ def _foldable_pack(cast: fx.Node) -> fx.Node | None:
         return None
     alone = len(pack.users) == 1 and len(source.users) == 1
     return pack if alone and widens(pack.meta["val"].dtype, cast_dtype(cast)) else None
-
-
-def _round_trip_of(cast: fx.Node) -> fx.Node | None:
-    """The block call's packed gradient that ``cast`` takes back to its dtype after autograd
-    cast it to the gathered weight's (NOTE: gradients packed once); None for any other cast."""
-    inner = cast.args[0]
-    packed = inner.args[0] if cast_dtype(inner) is not None else None
-    if not (isinstance(packed, fx.Node) and packed.target is operator.getitem and is_block_backward(packed.args[0])):
-        return None
-    backward, index = packed.args
-    weights = backward.args[1]
-    if index >= len(weights):  # a tensor's gradient, not a weight's
-        return None
-    weight_dtype, dtype = weights[index].meta["val"].dtype, packed.meta["val"].dtype
-    exact = cast_dtype(inner) == weight_dtype and widens(weight_dtype, dtype) and weight_dtype != dtype
-    return packed if exact and cast_dtype(cast) == dtype else None
 
 
 def _pack_widened(graph: fx.Graph, cast: fx.Node, pack: fx.Node) -> None:
@@ -91,27 +66,19 @@ def _pack_widened(graph: fx.Graph, cast: fx.Node, pack: fx.Node) -> None:
 
 def pack_in_reduce_dtype(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards no gradient is cast between its pack and its reduction: a widening cast of
-    a pack read by nothing else is the pack's own ``dtype``, and a block call's packed
-    gradient cast to the gathered weight's dtype and back is read as the call returned it
+    a pack read by nothing else is the pack's own ``dtype``, tagged with the cast's parameter
     (NOTE: gradients packed once). Every cast removed is exact: the numbers are unchanged.
     """
     graph = gm.graph
-    # In graph order: a round trip's inner cast comes before the outer one, and is no match.
     for cast in [n for n in graph.nodes if cast_dtype(n) is not None]:
         if (pack := _foldable_pack(cast)) is not None:
             _pack_widened(graph, cast, pack)
-        elif (packed := _round_trip_of(cast)) is not None:
-            inner = cast.args[0]
-            cast.replace_all_uses_with(packed)
-            graph.erase_node(cast)
-            if not inner.users:
-                graph.erase_node(inner)
     return finish(gm)
 
 
 def check_pack_in_reduce_dtype(gm: fx.GraphModule, plan: Plan) -> None:
     left = [
         n.name for n in gm.graph.nodes
-        if cast_dtype(n) is not None and (_foldable_pack(n) is not None or _round_trip_of(n) is not None)
+        if cast_dtype(n) is not None and _foldable_pack(n) is not None
     ]
     assert not left, f"gradients cast after their pack: {left}"

@@ -21,10 +21,13 @@ NOTE: the planned order
     ``options["max_inflight_bytes"]`` a gather's distance shrinks (down to 0) where issuing it
     earlier would push gathered bytes alive above the bound; see ``gather_lifetimes`` for how
     alive bytes are counted.
-    Reduce-scatters: issued as soon as the bucket's last gradient exists; each is waited right
-    after the next one is issued (the last one right before the graph returns), so it overlaps
-    the next bucket's backward compute while at most two gradient buckets are in flight
-    (FSDP2's rule). Everything else keeps the partitioner's order.
+    Reduce-scatters: issued, with their copy-in (the pack of a flat's or a bucket's
+    gradients), as soon as the bucket's last gradient exists; each is waited right before the
+    next one's copy-in (the last one right before the graph returns), so it overlaps the next
+    bucket's backward compute, and its packed input is dead before the next one is packed:
+    one packed gradient bucket is alive at a time, as FSDP2 waits for the last
+    reduce-scatter before packing the next one. Everything else keeps the partitioner's
+    order.
 
 The graph's node order is the execution order of the eager FX runner; Inductor schedules
 its own kernels from it (see docs/design.md, "The order under Inductor").
@@ -227,7 +230,7 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards collectives stand where NOTE: the planned order puts them: each all-gather
     issued ``prefetch`` buckets ahead (less only where ``max_inflight_bytes`` or its inputs
     forbid), each all-gather wait right before its bucket's first use, each reduce-scatter
-    issued once its gradients exist and waited after the next one is issued. The prefetch
+    issued once its gradients exist and waited right before the next one's copy-in. The prefetch
     distance each bucket got is recorded in ``gm.meta["mfsdp_prefetch"]`` (bucket -> distance).
     """
     groups = collective_groups(gm, plan)
@@ -254,10 +257,17 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         wait_slot[group] = min(after_next, _first_use(group, rest_index, end))
 
     before: list[list[fx.Node]] = [[] for _ in rest]
-    ordered = sorted(gathers, key=issue_slot.get) + scatters  # gathers first: on the critical path
-    for group in ordered:
+    for group in sorted(gathers, key=issue_slot.get):  # first: on the critical path
         before[issue_slot[group]].extend(group.issue)
-    for group in scatters + sorted(gathers, key=wait_slot.get):
+    for i, group in enumerate(scatters):
+        # The previous reduce-scatter's wait, where it falls here, before this one's copy-in.
+        if i > 0 and wait_slot[scatters[i - 1]] == issue_slot[group]:
+            before[issue_slot[group]].extend(scatters[i - 1].wait)
+        before[issue_slot[group]].extend(group.issue)
+    for i, group in enumerate(scatters):
+        if not (i + 1 < len(scatters) and wait_slot[group] == issue_slot[scatters[i + 1]]):
+            before[wait_slot[group]].extend(group.wait)
+    for group in sorted(gathers, key=wait_slot.get):
         before[wait_slot[group]].extend(group.wait)
     output = rest[-1]
     for slot, node in enumerate(rest[:-1]):
