@@ -123,7 +123,6 @@ class CompiledGraph:
         self.seconds: dict[str, float] = defaultdict(float)
         """Time spent in each stage of ours: "passes" (all stages), "partitioner" (min-cut,
         bodies included) and "compiler" (Inductor or the eager runner, per graph)."""
-        self._example_inputs = example_inputs
 
     @property
     def forward(self) -> fx.GraphModule:
@@ -157,8 +156,12 @@ class CompiledGraph:
         self.seconds["partitioner"] += time.perf_counter() - start
         return forward, backward
 
-    def compile(self) -> Callable:
-        """Run the Dynamo stage, then hand the graph to AOTAutograd and the compiler."""
+    def compile(self, example_inputs: list) -> Callable:
+        """Run the Dynamo stage, then hand the graph to AOTAutograd and the compiler. The
+        example inputs are the step's real tensors, parameters included: kept past this call
+        (the compiled step holds this object until its lazy backward compiles, and Dynamo
+        keeps the compiled step in the user's module globals) they would hold a dropped
+        model's memory for the life of the process."""
         if self.dumper:
             self.dumper.graph("dynamo", self.dynamo)
         self.dynamo = self._run("dynamo", self.dynamo)
@@ -177,10 +180,10 @@ class CompiledGraph:
                 bw_compiler=self._with_partitioned_passes(_run_graph, "backward"),
                 inference_compiler=self._with_partitioned_passes(_run_graph, "inference"),
                 partition_fn=partitioner,
-            )(self.dynamo, self._example_inputs)
-        return self._inductor(partitioner)
+            )(self.dynamo, example_inputs)
+        return self._inductor(partitioner, example_inputs)
 
-    def _inductor(self, partitioner: _Partitioner) -> Callable:
+    def _inductor(self, partitioner: _Partitioner, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         # NOTE: compile caches. A restart loads what Inductor compiled from its FX graph
@@ -199,7 +202,7 @@ class CompiledGraph:
         ):
             return compile_fx(
                 self.dynamo,
-                self._example_inputs,
+                example_inputs,
                 inner_compile=self._with_partitioned_passes(compile_fx_inner),
                 config_patches={
                     "custom_partitioner_fn": partitioner,
@@ -272,7 +275,7 @@ class MfsdpBackend:
     def _compile(self, graphs: list[CompiledGraph], gm: fx.GraphModule, example_inputs: list):
         graph = CompiledGraph(gm, example_inputs, self.options)
         graphs.append(graph)
-        return graph.compile()
+        return graph.compile(example_inputs)
 
     def frame(self, name: str, body: Callable) -> Callable:
         """``body`` (a repeated block's, NOTE: one op per block call) compiled by this backend
