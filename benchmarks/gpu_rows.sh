@@ -6,6 +6,7 @@
 #
 #     bash benchmarks/gpu_rows.sh [OUT]          # OUT: default $OUT when set, else a temp dir
 #     bash benchmarks/gpu_rows.sh --smoke [OUT]  # the same rows at tiny presets, on a CPU too
+#     ROWS="8b mixtral" bash benchmarks/gpu_rows.sh [OUT]  # only the rows named
 #
 # Writes OUT/<row>.json (after each mode), OUT/summary.json and the whole log,
 # OUT/gpu_rows.log. Needs only python3 ($PYTHON) with torch and transformers.
@@ -44,6 +45,13 @@ else
         "70b hf-llama-70b 64 1 1024 175"
         "mixtral hf-mixtral-2b 8 1 4096 95"
     )
+fi
+if [[ -n "${ROWS:-}" ]]; then
+    kept=()
+    for row in "${rows[@]}"; do
+        [[ " $ROWS " == *" ${row%% *} "* ]] && kept+=("$row")
+    done
+    rows=("${kept[@]}")
 fi
 # What a killed row may take to exit (timeout's grace before KILL).
 grace_s=10

@@ -2,7 +2,8 @@
 process's resident set; on CUDA, on request, where the memory goes (``AllocationSites``).
 
 CUDA: ``torch.cuda.max_memory_allocated`` from before the model is built to the last timed
-step. Warm-up is included because a captured CUDA graph allocates its memory pool during
+step, less what was allocated before (a mode's own, whatever earlier modes of the process
+left). Warm-up is included because a captured CUDA graph allocates its memory pool during
 capture; counting only the replays would leave that pool out.
 
 CPU: no allocator keeps a peak, and ``MemTracker`` cannot stand in: its module hooks register a
@@ -60,7 +61,7 @@ class PeakMemory:
         self.on_cuda = device.type == "cuda"
         self.device = device
         if self.on_cuda:
-            self.measure = "torch.cuda.max_memory_allocated from model build to the last step"
+            self.measure = "torch.cuda.max_memory_allocated from model build to the last step, less what was allocated before"
             torch.cuda.reset_peak_memory_stats(device)
             self.allocated_before = torch.cuda.memory_allocated(device)
             self.reserved_before = torch.cuda.memory_reserved(device)
@@ -85,7 +86,7 @@ class PeakMemory:
 
     def peak_mib(self) -> float | None:
         if self.on_cuda:
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
+            return (torch.cuda.max_memory_allocated(self.device) - self.allocated_before) / 2**20
         if not self.supported:
             return None
         return (_status_kib("VmHWM") - self.baseline_kib) / 2**10
