@@ -11,8 +11,8 @@ import torch
 from torch._inductor.utils import run_and_get_code
 from torch.profiler import ProfilerActivity, profile
 
-from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.testing.models import TransformerConfig, make_batch
+from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.patterns import is_collective, is_wait
 from harness import build_model, fake_process_group
 
@@ -127,3 +127,44 @@ def test_inductor_code_issues_collectives_in_the_planned_order():
     forward_code, backward_code = (code for code in codes if _ISSUE.search(code))
     (graph,) = backend.graphs
     _check_planned(graph, _code_events(forward_code), _code_events(backward_code))
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-fp32"])
+def test_inductor_code_packs_one_gradient_bucket_at_a_time(mixed):
+    """Each reduce-scatter is waited on before the next bucket's gradients are packed, so one
+    packed bucket is alive at a time, as in FSDP2 (schedule_collectives). A pack whose view
+    Inductor's joint-graph passes had removed went untagged, stayed behind the next wait,
+    and two fp32 packs were alive: 1.1 GB more peak for the Mixtral preset on an H100."""
+    cfg = TransformerConfig(n_layers=3)
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+    with fake_process_group(8):
+        model = fully_shard(build_model(cfg), mp_policy=policy)
+        backend = MfsdpBackend(compiler="inductor", compile_cache=False)
+        tokens, targets = make_batch(cfg, 2, 8, 0)
+        step = torch.compile(model, backend=backend)
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            _, codes = run_and_get_code(lambda: loss_fn(step(tokens), targets).backward())
+    (backward_code,) = (code for code in codes if "reduce_scatter_tensor.default(" in code)
+    packs, late = _packs_and_those_made_while_a_reduce_scatter_is_open(backward_code)
+    assert packs >= cfg.n_layers and late == 0
+
+
+_BUFFER_ISSUED = re.compile(r"(buf\d+) = torch\.ops\._c10d_functional\.reduce_scatter_tensor\.default\(")
+_BUFFER_WAITED = re.compile(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+
+
+def _packs_and_those_made_while_a_reduce_scatter_is_open(code: str) -> tuple[int, int]:
+    """Gradient packs the code makes, and those made while an earlier reduce-scatter is not
+    yet waited on (its packed input is then alive beside the new one)."""
+    packs, late, open_ = 0, 0, set()
+    for line in code.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        if issued := _BUFFER_ISSUED.search(line):
+            open_.add(issued.group(1))
+        elif waited := _BUFFER_WAITED.search(line):
+            open_.discard(waited.group(1))
+        elif "fsdp_compile.pack_for_reduce_scatter.default(" in line:
+            packs += 1
+            late += bool(open_)
+    return packs, late

@@ -132,7 +132,8 @@ def _averaged(graph: fx.Graph, reduced: fx.Node, param: ParamPlan) -> fx.Node:
 def _flat_copies(marker: fx.Node) -> list[fx.Node]:
     """A flat parameter's copies around its marker (NOTE: flat parameters, in
     fsdp_compile/flat_params.py): after an ``unshard``, the copy-out, its per-member reads and
-    their trims; before a ``reduce_grad``, the gradients' packing and its view."""
+    their trims; before a ``reduce_grad``, the gradients' packing and its view (which
+    Inductor's joint-graph passes remove where it keeps the shape)."""
     if is_unshard(marker):
         copies = [u for u in marker.users if is_split_gathered(u)]
         frontier = [u for c in copies for u in c.users]
@@ -144,7 +145,7 @@ def _flat_copies(marker: fx.Node) -> list[fx.Node]:
     grad = marker.args[0]
     if is_view(grad) and is_pack_for_reduce_scatter(grad.args[0]):
         return [grad.args[0], grad]
-    return []
+    return [grad] if is_pack_for_reduce_scatter(grad) else []
 
 
 def _members(copies: list[fx.Node]) -> list[fx.Node]:
