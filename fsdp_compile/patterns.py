@@ -18,7 +18,7 @@ The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = onl
              ─[all_reduce ─ wait_tensor]─[slice]─[div]─[cast]──> .grad     (ZeRO-2/3, [HSDP])
         grad ─[cast]─[+ pending]─ all_reduce ─ wait_tensor ─[slice]─[div]─[cast]──> .grad
                                                                            (no_shard, optim)
-    bucketed (partitioned graphs; collectives tagged meta["mfsdp_bucket"], see bucket_collectives)
+    bucketed (partitioned graphs; collectives tagged meta[BUCKET], see bucket_collectives)
         shards ─ _pre_bucket_all_gather (copy-in) ─ all_gather_into_tensor_out ─ wait_tensor
             ─ split_gathered (copy-out) ─ getitem (per parameter) ─[slice]─ view* ──> use
         grads ─ pack_for_reduce_scatter (copy-in) ─ reduce_scatter_tensor ─ wait_tensor ─ split
@@ -35,6 +35,7 @@ import torch
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from fsdp_compile.node_meta import BUCKET, BYTES_BY_DTYPE, CARRIES, PARAM_ID, UNPACKED
 from fsdp_compile import bucket_copies as _bucket_copies  # noqa: F401  (registers its ops)
 from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD, BLOCK_GRADED, RNG_STATE
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
@@ -167,7 +168,7 @@ def is_view(node: fx.Node) -> bool:
 
 def bucket_index(node: fx.Node) -> int | None:
     """The plan bucket a parameter collective (or its wait) moves; None for user collectives."""
-    return node.meta.get("mfsdp_bucket")
+    return node.meta.get(BUCKET)
 
 
 def is_ours(node: fx.Node) -> bool:
@@ -176,7 +177,7 @@ def is_ours(node: fx.Node) -> bool:
     be removed when dead (see NOTE: nothing the user wrote is removed, in fx_utils.py)."""
     if is_marker(node):
         return True
-    return any(node.meta.get(key) is not None for key in ("mfsdp_param_id", "mfsdp_bucket", "mfsdp_unpacked"))
+    return any(node.meta.get(key) is not None for key in (PARAM_ID, BUCKET, UNPACKED))
 
 
 def is_param_collective(node: fx.Node) -> bool:
@@ -185,17 +186,17 @@ def is_param_collective(node: fx.Node) -> bool:
     collectives (the user's, an all-reduce) are never merged; an all-reduce that only
     post-processes a parameter's reduce-scatter result moves with that result."""
     return (is_all_gather(node) or is_reduce_scatter(node)) and (
-        node.meta.get("mfsdp_param_id") is not None or bucket_index(node) is not None
+        node.meta.get(PARAM_ID) is not None or bucket_index(node) is not None
     )
 
 
 def gathered_param_id(node: fx.Node) -> int | None:
     """``param_id`` when ``node`` is a gathered parameter: an unbucketed gather's wait, or a
     bucket's per-parameter copy-out; None otherwise."""
-    if node.meta.get("mfsdp_unpacked") is not None:
-        return node.meta["mfsdp_unpacked"]
+    if node.meta.get(UNPACKED) is not None:
+        return node.meta[UNPACKED]
     if is_wait(node) and is_all_gather(node.args[0]):
-        return node.meta.get("mfsdp_param_id")
+        return node.meta.get(PARAM_ID)
     return None
 
 
@@ -221,10 +222,10 @@ class CollectiveFacts:
     (reduce_scatter, all_reduce), the sent input (all_to_all)."""
     dtype: torch.dtype
     """What the bytes are: a float8 gather moves its float8 bytes as ``uint8`` (the type gloo
-    and NCCL move) and says ``float8_e4m3fn`` here (``meta["mfsdp_carries"]``); a bucket of
+    and NCCL move) and says ``float8_e4m3fn`` here (``meta[CARRIES]``); a bucket of
     several dtypes says ``uint8``."""
     members_by_dtype: tuple[tuple[torch.dtype, int], ...] = ()
-    """A merged gather's members' bytes by what they are (``meta["mfsdp_bytes_by_dtype"]``,
+    """A merged gather's members' bytes by what they are (``meta[BYTES_BY_DTYPE]``,
     set by bucket_collectives); empty otherwise."""
 
     @property
@@ -260,14 +261,14 @@ def collective_facts(node: fx.Node) -> CollectiveFacts:
         world = _resolve_process_group(group_name).size()
     full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
     nbytes = full.numel() * full.element_size()
-    dtype = node.meta.get("mfsdp_carries", full.dtype)
+    dtype = node.meta.get(CARRIES, full.dtype)
     return CollectiveFacts(
         kind=kind,
         group_name=group_name,
         world=world,
         nbytes=nbytes,
         dtype=dtype,
-        members_by_dtype=tuple(node.meta.get("mfsdp_bytes_by_dtype", {}).items()),
+        members_by_dtype=tuple(node.meta.get(BYTES_BY_DTYPE, {}).items()),
     )
 
 

@@ -25,6 +25,7 @@ from torch import fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from fsdp_compile.node_meta import MEMBERS, PARAM_ID
 from fsdp_compile.patterns import (
     CollectiveFacts,
     bucket_index,
@@ -99,8 +100,8 @@ def _moves(node: fx.Node, plan: Plan) -> tuple[str, str]:
     parameter of an unbucketed reduction (an all-reduce), or none for a user's collective."""
     index = bucket_index(node)
     if index is not None:
-        return ", ".join(plan.param(i).fqn for i in node.meta["mfsdp_members"]), plan.buckets[index].name
-    param_id = node.meta.get("mfsdp_param_id")
+        return ", ".join(plan.param(i).fqn for i in node.meta[MEMBERS]), plan.buckets[index].name
+    param_id = node.meta.get(PARAM_ID)
     if param_id is not None:
         return plan.param(param_id).fqn, plan.bucket_of(param_id).name
     return "(user collective)", "(user collective)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fsdp_compile.node_meta import PARAM_ID, PREFETCH
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.testing.models import TransformerConfig
@@ -187,7 +188,7 @@ def test_max_inflight_bytes_shortens_prefetch_and_is_never_exceeded():
             _compile_step(prefetch=2, max_inflight_bytes=peaks["none"] // 4)
     for gm in (bounded.forward, bounded.backward):
         assert peak_inflight_bytes(gather_lifetimes(gm, bounded.plan)) <= bound
-    distances = [d for gm in (bounded.forward, bounded.backward) for d in gm.meta["mfsdp_prefetch"].values()]
+    distances = [d for gm in (bounded.forward, bounded.backward) for d in gm.meta[PREFETCH].values()]
     assert 2 in distances and any(d < 2 for d in distances[1:])
 
 
@@ -284,7 +285,7 @@ def _collective_sequence(graph) -> list[tuple]:
     for role in ("forward", "backward"):
         for node in getattr(graph, role).graph.nodes:
             if is_collective(node):
-                bucket, member = bucket_index(node), node.meta.get("mfsdp_param_id")
+                bucket, member = bucket_index(node), node.meta.get(PARAM_ID)
                 # By name, never by param_id: ids count parameters sharded earlier in the
                 # process (a real rank is a fresh process; here four ranks share one), and
                 # `member and ...` once read param_id 0 as "no parameter".

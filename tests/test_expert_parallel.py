@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from fsdp_compile.node_meta import PARAM_ID
 from fsdp_compile import MfsdpBackend, UsageError, expert_mesh, fully_shard, shard_info
 from fsdp_compile.expert_parallel import RemoteExpert
 from fsdp_compile.testing.models import GroupedExperts, TransformerConfig, loss_fn, make_batch
@@ -241,7 +242,7 @@ def test_no_expert_parameter_shares_a_group_with_a_dense_parameter(fused, shard_
             members = (
                 set(graph.plan.buckets[index].param_ids)
                 if index is not None
-                else {node.meta.get("mfsdp_param_id")}
+                else {node.meta.get(PARAM_ID)}
             )
             if members & experts:
                 assert node.args[-1] == edp_group, node.format_node()

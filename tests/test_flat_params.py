@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_compile.node_meta import BUCKET
 from fsdp_compile import MfsdpBackend, fully_shard, gathered_params
 from fsdp_compile.backend import CompiledGraph
 from fsdp_compile.patterns import count_collectives, is_all_gather, is_unshard, is_view
@@ -82,7 +83,7 @@ def test_one_gather_per_block_reads_the_flat_in_place(monkeypatch):
     assert len(layer_buckets) == CFG.n_layers and len(packs) == 1  # the root's bucket only
     assert count_collectives(graph.forward.graph)["all_gather"] == len(graph.plan.buckets)
     for node in graph.forward.graph.nodes:
-        if is_all_gather(node) and node.meta["mfsdp_bucket"] in {b.index for b in layer_buckets}:
+        if is_all_gather(node) and node.meta[BUCKET] in {b.index for b in layer_buckets}:
             shard = node.args[0]  # fp32 training: the flat shard itself, or a view of it
             assert shard.op == "placeholder" or (is_view(shard) and shard.args[0].op == "placeholder")
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_compile.node_meta import PREFETCH
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.block_call import BLOCK_FORWARD, call_record
 from fsdp_compile.testing.models import RMSNorm, TransformerConfig, loss_fn, make_batch
@@ -127,7 +128,7 @@ def test_each_layer_calls_one_body_and_the_collectives_stay_outside():
     assert not any(is_all_gather(n) for role in ("forward", "backward") for n in body.compiled[role].graph.nodes)
     layer_buckets = [b for b in graph.plan.buckets if b.name.startswith("layers.")]
     assert count_collectives(graph.forward.graph)["all_gather"] == len(layer_buckets) + 1  # + the root
-    assert graph.forward.meta["mfsdp_prefetch"] == {b.index: min(b.index, 1) for b in graph.plan.buckets}
+    assert graph.forward.meta[PREFETCH] == {b.index: min(b.index, 1) for b in graph.plan.buckets}
     # Resharded: no gathered block parameter crosses from forward to backward in the step (the
     # body keeps its weights as inputs it is handed again, NOTE: one op per block call).
     kept = {p.param_id for p in graph.plan.params if not p.sharding.reshard_after_forward}

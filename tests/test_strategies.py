@@ -15,6 +15,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
+from fsdp_compile.node_meta import PARAM_ID
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.ops import STRATEGIES
@@ -93,7 +94,7 @@ def test_collectives_per_step_follow_the_strategy(strategy, world):
         # Together: at least what ZeRO-2 keeps from forward for backward (not, e.g., a bias
         # whose gradient needs no value).
         regathered = [
-            graph.plan.param(n.meta["mfsdp_param_id"]).fqn
+            graph.plan.param(n.meta[PARAM_ID]).fqn
             for n in graph.backward.graph.nodes
             if n.target == ALL_GATHER
         ]

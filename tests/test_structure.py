@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import fx
 
+from fsdp_compile.node_meta import PARAM_ID
 from fsdp_compile import fully_shard, gathered_params, shard_info
 from fsdp_compile.backend import _run_graph
 from fsdp_compile.testing.models import TransformerConfig
@@ -59,7 +60,7 @@ def test_collectives_per_step_match_plan(world):
     assert forward == {"all_gather": len(plan.params)}
     assert backward["reduce_scatter"] == len(plan.trainable)
     regathered = [
-        plan.param(n.meta["mfsdp_param_id"]).fqn
+        plan.param(n.meta[PARAM_ID]).fqn
         for n in resharded.backward.graph.nodes
         if n.target == ALL_GATHER
     ]
@@ -79,7 +80,7 @@ def test_collectives_use_the_mesh_group_and_padded_sizes():
     plan = graph.plan
     gathers = [n for n in graph.forward.graph.nodes if n.target == ALL_GATHER]
     for node in gathers:
-        param = plan.param(node.meta["mfsdp_param_id"])
+        param = plan.param(node.meta[PARAM_ID])
         shard, group_size, group_name = node.args
         assert (group_size, group_name) == (world, param.sharding.group_name)
         assert shard.meta["val"].shape[0] == param.padded_rows

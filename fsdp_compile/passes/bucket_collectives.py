@@ -41,6 +41,7 @@ import torch
 from torch._inductor.fx_passes.bucketing import _ALL_DTYPES, _compute_foreach_groups, pick_bucket_dtype
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+from fsdp_compile.node_meta import AMAX, BUCKET, BYTES_BY_DTYPE, CARRIES, FLOAT8_SCALE, MEMBERS, PARAM_ID, UNPACKED
 from fsdp_compile.bucket_copies import widens
 from fsdp_compile.compat import pre_bucket_all_gather_args
 from fsdp_compile.fx_utils import call, finish, inserting
@@ -67,7 +68,7 @@ def _members(gm: fx.GraphModule, plan: Plan) -> dict[tuple[str, int], list[fx.No
     """Unbucketed parameter collectives by (kind, bucket index), in graph order."""
     members: dict[tuple[str, int], list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
-        param_id = node.meta.get("mfsdp_param_id")
+        param_id = node.meta.get(PARAM_ID)
         if is_param_collective(node) and bucket_index(node) is None:
             kind = "all_gather" if is_all_gather(node) else "reduce_scatter"
             members[kind, plan.bucket_of(param_id).index].append(node)
@@ -187,7 +188,7 @@ def _merge_amax_reductions(gm: fx.GraphModule, reductions: list[fx.Node]) -> lis
         graph.erase_node(wait)
         graph.erase_node(reduction)
     for node in new_nodes:
-        node.meta["mfsdp_float8_scale"] = True
+        node.meta[FLOAT8_SCALE] = True
     return new_nodes
 
 
@@ -216,40 +217,40 @@ def _bytes_by_dtype(gathers: list[fx.Node]) -> dict[torch.dtype, int]:
 
 def _tag(nodes: list[fx.Node], outputs: list[fx.Node], index: int, param_ids: list[int]) -> None:
     for node in nodes:
-        node.meta["mfsdp_bucket"] = index
+        node.meta[BUCKET] = index
         if is_collective(node):
-            node.meta["mfsdp_members"] = tuple(param_ids)
+            node.meta[MEMBERS] = tuple(param_ids)
     for output, param_id in zip(outputs, param_ids):
-        output.meta["mfsdp_unpacked"] = param_id
+        output.meta[UNPACKED] = param_id
 
 
 def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Afterwards every parameter all-gather and reduce-scatter carries ``meta["mfsdp_bucket"]``
-    (its plan bucket) and ``meta["mfsdp_members"]`` (the ``param_id``s it moves, in buffer
+    """Afterwards every parameter all-gather and reduce-scatter carries ``meta[BUCKET]``
+    (its plan bucket) and ``meta[MEMBERS]`` (the ``param_id``s it moves, in buffer
     order), and each bucket has at most one of each kind per graph; members' outputs are
-    marked ``meta["mfsdp_unpacked"] = param_id``. Collectives that lower_collectives did not
+    marked ``meta[UNPACKED] = param_id``. Collectives that lower_collectives did not
     make (a user's, an all-reduce) are left alone. The graph stays topologically sorted; the
     placement of collectives and waits is ``schedule_collectives``'s job.
     """
     amax_reductions: dict[int, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
-        if node.meta.get("mfsdp_amax"):
-            amax_reductions[plan.bucket_of(node.meta["mfsdp_param_id"]).index].append(node)
+        if node.meta.get(AMAX):
+            amax_reductions[plan.bucket_of(node.meta[PARAM_ID]).index].append(node)
     for index, reductions in amax_reductions.items():
-        param_ids = tuple(r.meta["mfsdp_param_id"] for r in reductions)
+        param_ids = tuple(r.meta[PARAM_ID] for r in reductions)
         merged = _merge_amax_reductions(gm, reductions) if len(reductions) > 1 else reductions
         for node in merged:
-            node.meta["mfsdp_bucket"] = index
+            node.meta[BUCKET] = index
             if is_collective(node):
-                node.meta["mfsdp_members"] = param_ids
+                node.meta[MEMBERS] = param_ids
     for (kind, index), nodes in _members(gm, plan).items():
         if len(nodes) == 1:
             (collective,) = nodes
             (wait,) = collective.users
-            collective.meta["mfsdp_bucket"] = wait.meta["mfsdp_bucket"] = index
-            collective.meta["mfsdp_members"] = (collective.meta["mfsdp_param_id"],)
+            collective.meta[BUCKET] = wait.meta[BUCKET] = index
+            collective.meta[MEMBERS] = (collective.meta[PARAM_ID],)
             continue
-        param_ids = [n.meta["mfsdp_param_id"] for n in nodes]
+        param_ids = [n.meta[PARAM_ID] for n in nodes]
         if kind == "all_gather":
             _hoist_inputs(gm, nodes)
             new_nodes, outputs = _merge_gathers(gm.graph, nodes)
@@ -260,9 +261,9 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         _tag(new_nodes, outputs, index, param_ids)
         if kind == "all_gather":
             (collective,) = (n for n in new_nodes if is_collective(n))
-            collective.meta["mfsdp_bytes_by_dtype"] = by_dtype
+            collective.meta[BYTES_BY_DTYPE] = by_dtype
             if len(by_dtype) == 1:  # one dtype: float8 bytes moved as uint8 say so
-                collective.meta["mfsdp_carries"] = next(iter(by_dtype))
+                collective.meta[CARRIES] = next(iter(by_dtype))
     # A merged reduce-scatter stands after its last member: earlier members' tails move after it.
     stable_topological_sort(gm.graph)
     return finish(gm)

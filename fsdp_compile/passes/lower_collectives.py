@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fsdp_compile.node_meta import AMAX, CARRIES, FLOAT8_SCALE, PARAM_ID, UNPACKED
 from fsdp_compile import float8
 from fsdp_compile.fx_utils import call, finish, inline_traced, inserting
 from fsdp_compile.patterns import (
@@ -71,7 +72,7 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
 
     def reduce_amax(local: fx.Node) -> fx.Node:
         reduction = call(graph, ALL_REDUCE, local, "max", param.sharding.group_name)
-        reduction.meta["mfsdp_amax"] = True  # bucket_collectives merges a bucket's
+        reduction.meta[AMAX] = True  # bucket_collectives merges a bucket's
         return call(graph, WAIT, reduction)
 
     # torchao's own amax, scale and cast, traced: the compiled cast is the eager one's.
@@ -80,11 +81,11 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
         scale = inline_traced(graph, lambda a: float8.scale(a, dtype, round_scales), reduce_amax(local))
     for node in scale_chain:
         # The scale's chain (its all-reduce included) is issued with the gather it feeds.
-        node.meta["mfsdp_float8_scale"] = True
+        node.meta[FLOAT8_SCALE] = True
     data = inline_traced(graph, lambda t, s: float8.cast(t, s, dtype), padded, scale)
     # gloo and NCCL move no float8 type: the bytes travel as uint8.
     gathered = call(graph, ALL_GATHER, call(graph, aten.view.dtype, data, torch.uint8), param.sharding.world, param.sharding.group_name)
-    gathered.meta["mfsdp_carries"] = dtype
+    gathered.meta[CARRIES] = dtype
     rows = _first_rows(graph, call(graph, WAIT, gathered), param.sharding.global_shape[0])
     full = call(graph, aten.view.dtype, rows, dtype)
     for cast in casts:
@@ -178,13 +179,13 @@ def lower_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         # The chain inherits the marker's provenance (stack trace, module path, forward or
         # backward tag), which the partitioner and the dumps read.
         inherited = {k: v for k, v in marker.meta.items() if k != "val"}
-        inherited["mfsdp_param_id"] = param.param_id
+        inherited[PARAM_ID] = param.param_id
         for node in chain:
             node.meta.update(inherited)
         for node in copies:  # they move with the collective (schedule_collectives)
-            node.meta["mfsdp_param_id"] = param.param_id
+            node.meta[PARAM_ID] = param.param_id
         for member in _members(copies) if is_unshard(marker) else ():
-            member.meta["mfsdp_unpacked"] = param.param_id
+            member.meta[UNPACKED] = param.param_id
         if lowered is not None:
             marker.replace_all_uses_with(lowered)
         gm.graph.erase_node(marker)
@@ -195,8 +196,8 @@ def check_lower_collectives(gm: fx.GraphModule, plan: Plan) -> None:
     left = [n.format_node() for n in gm.graph.nodes if is_marker(n) or is_float8_cast(n)]
     assert not left, f"markers left after lowering: {left}"
     for node in gm.graph.nodes:
-        param_id = node.meta.get("mfsdp_param_id")
-        reduces = is_reduce_scatter(node) or (is_all_reduce(node) and not node.meta.get("mfsdp_amax"))
+        param_id = node.meta.get(PARAM_ID)
+        reduces = is_reduce_scatter(node) or (is_all_reduce(node) and not node.meta.get(AMAX))
         if param_id is not None and reduces:
             planned = plan.param(param_id).reduce_op
             assert node.args[1] == planned, f"{node.name} reduces with {node.args[1]!r}, the plan says {planned!r}"

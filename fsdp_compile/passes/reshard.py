@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fsdp_compile.node_meta import PARAM_ID
 from fsdp_compile.fx_utils import finish
 from fsdp_compile.patterns import gathered_param_id, is_all_gather, is_split_gathered, is_view, is_wait
 from fsdp_compile.plan import Plan
@@ -36,16 +37,16 @@ def gather_chains(gm: fx.GraphModule) -> list[GatherChain]:
     """Every lowered parameter gather in ``gm`` (user collectives are not included)."""
     chains = []
     for node in gm.graph.nodes:
-        param_id = node.meta.get("mfsdp_param_id")
+        param_id = node.meta.get(PARAM_ID)
         if not is_all_gather(node) or param_id is None:
             continue
         gather = [node]
-        while gather[0].args[0].meta.get("mfsdp_param_id") == param_id:  # the cast and the pad
+        while gather[0].args[0].meta.get(PARAM_ID) == param_id:  # the cast and the pad
             gather.insert(0, gather[0].args[0])
         (wait,) = (u for u in node.users if is_wait(u))
         gather.append(wait)
         # The slice of the padding rows, which lower_collectives tags.
-        gather.extend(u for u in wait.users if u.meta.get("mfsdp_param_id") == param_id and not is_split_gathered(u))
+        gather.extend(u for u in wait.users if u.meta.get(PARAM_ID) == param_id and not is_split_gathered(u))
         unpack, gathered = _copies_of(gather[-1])
         chains.append(GatherChain(param_id, tuple(gather), tuple(unpack), tuple(gathered), _views_of(gathered)))
     return chains

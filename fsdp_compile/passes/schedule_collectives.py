@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from fsdp_compile.node_meta import BUCKET, FLOAT8_SCALE, PARAM_ID, PREFETCH
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.fx_utils import finish
 from fsdp_compile.patterns import collective_facts, is_all_gather, is_param_collective, is_view
@@ -72,9 +73,9 @@ class CollectiveGroup:
 
 
 def _bucket(node: fx.Node, plan: Plan) -> int | None:
-    if node.meta.get("mfsdp_bucket") is not None:
-        return node.meta["mfsdp_bucket"]
-    param_id = node.meta.get("mfsdp_param_id")
+    if node.meta.get(BUCKET) is not None:
+        return node.meta[BUCKET]
+    param_id = node.meta.get(PARAM_ID)
     return None if param_id is None else plan.bucket_of(param_id).index
 
 
@@ -103,7 +104,7 @@ def _group(collective: fx.Node, plan: Plan, claimed: set[fx.Node]) -> tuple[set,
             continue
         # A view of a shard may also be saved for backward: it moves anyway, being free; a
         # float8 scale also feeds the matmul, yet its chain must precede the cast it scales.
-        moves = _views_placeholder(node) or node.meta.get("mfsdp_float8_scale", False)
+        moves = _views_placeholder(node) or node.meta.get(FLOAT8_SCALE, False)
         if all(u in issue for u in node.users) or moves:
             issue.add(node)
             candidates.extend(n for n in node.all_input_nodes if feeds(n))
@@ -231,7 +232,7 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     issued ``prefetch`` buckets ahead (less only where ``max_inflight_bytes`` or its inputs
     forbid), each all-gather wait right before its bucket's first use, each reduce-scatter
     issued once its gradients exist and waited right before the next one's copy-in. The prefetch
-    distance each bucket got is recorded in ``gm.meta["mfsdp_prefetch"]`` (bucket -> distance).
+    distance each bucket got is recorded in ``gm.meta[PREFETCH]`` (bucket -> distance).
     """
     groups = collective_groups(gm, plan)
     if not groups:
@@ -275,7 +276,7 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             output.prepend(placed)
     for placed in before[end]:
         output.prepend(placed)
-    gm.meta["mfsdp_prefetch"] = {g.collective.meta["mfsdp_bucket"]: k for g, k in distance.items()}
+    gm.meta[PREFETCH] = {g.collective.meta[BUCKET]: k for g, k in distance.items()}
     return finish(gm)
 
 
@@ -329,7 +330,7 @@ def check_schedule_collectives(gm: fx.GraphModule, plan: Plan) -> None:
     moved = {n for g in collective_groups(gm, plan) for n in g.issue + g.wait}
     lifetimes = gather_lifetimes(gm, plan)
     uses = [t.first_use for t in lifetimes]
-    prefetch = gm.meta.get("mfsdp_prefetch", {})
+    prefetch = gm.meta.get(PREFETCH, {})
     for t in lifetimes:
         between = nodes[t.wait + 1 : t.first_use]
         assert all(n in moved for n in between), (
