@@ -40,16 +40,11 @@ from fsdp_compile.planner import build_plan
 __all__ = ["mfsdp_backend", "MfsdpBackend", "CompiledGraph", "register", "compiling_backend"]
 
 _PACKAGE = Path(__file__).parent
-# What decides the code a graph compiles to: the cache key covers these files and the plan,
-# not the bench, the dumps or the docs (editing those must not invalidate users' caches).
+# What decides the code a graph compiles to: the cache key covers the package's modules and
+# the plan, not its tools (the bench, the test helpers) or the docs, whose edits must not
+# invalidate users' caches.
 _COMPILED_CODE_SOURCES = tuple(
-    sorted(
-        str(p)
-        for p in [*(_PACKAGE / "passes").glob("*.py"), *(_PACKAGE / f for f in (
-            "backend.py", "block_call.py", "bucket_copies.py", "compat.py", "float8.py",
-            "fx_utils.py", "ops.py", "patterns.py", "pipeline.py", "plan.py", "planner.py",
-        ))]
-    )
+    sorted(str(p) for p in _PACKAGE.rglob("*.py") if p.relative_to(_PACKAGE).parts[0] not in ("bench", "testing"))
 )
 
 

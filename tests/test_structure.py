@@ -6,6 +6,7 @@ import gc
 import json
 import math
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,6 +177,25 @@ def test_a_compiled_model_once_dropped_frees_its_parameters_and_gradients(region
         torch._dynamo.reset()
         gc.collect()
         assert [r for r in tensors if r() is not None] == []
+
+
+def test_the_compile_cache_key_covers_every_module_the_compiler_imports():
+    """The partitioner's cache key hashes the package's modules, found from the package rather
+    than listed by hand: a list once missed modules the passes read (the node-meta keys, the
+    regions), so editing them would have loaded code compiled by the old ones."""
+    import sys
+
+    import fsdp_compile.backend
+    from fsdp_compile.backend import _COMPILED_CODE_SOURCES
+
+    package = Path(fsdp_compile.backend.__file__).parent
+    imported = {
+        str(Path(module.__file__)) for name, module in list(sys.modules.items())
+        if name.startswith("fsdp_compile.") and not name.startswith(("fsdp_compile.bench", "fsdp_compile.testing"))
+        and getattr(module, "__file__", None)
+    }
+    assert imported and imported <= set(_COMPILED_CODE_SOURCES)
+    assert not [p for p in _COMPILED_CODE_SOURCES if Path(p).relative_to(package).parts[0] in ("bench", "testing")]
 
 
 @pytest.mark.parametrize("wrapping", ["root", "blocks-then-root"])
