@@ -260,13 +260,15 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     before: list[list[fx.Node]] = [[] for _ in rest]
     for group in sorted(gathers, key=issue_slot.get):  # first: on the critical path
         before[issue_slot[group]].extend(group.issue)
-    for i, group in enumerate(scatters):
+    waited_first = set()
+    for previous, group in zip([None, *scatters], scatters):
         # The previous reduce-scatter's wait, where it falls here, before this one's copy-in.
-        if i > 0 and wait_slot[scatters[i - 1]] == issue_slot[group]:
-            before[issue_slot[group]].extend(scatters[i - 1].wait)
+        if previous is not None and wait_slot[previous] == issue_slot[group]:
+            before[issue_slot[group]].extend(previous.wait)
+            waited_first.add(previous)
         before[issue_slot[group]].extend(group.issue)
-    for i, group in enumerate(scatters):
-        if not (i + 1 < len(scatters) and wait_slot[group] == issue_slot[scatters[i + 1]]):
+    for group in scatters:
+        if group not in waited_first:
             before[wait_slot[group]].extend(group.wait)
     for group in sorted(gathers, key=wait_slot.get):
         before[wait_slot[group]].extend(group.wait)
