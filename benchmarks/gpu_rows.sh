@@ -7,6 +7,9 @@
 #     bash benchmarks/gpu_rows.sh [OUT]          # OUT: default $OUT when set, else a temp dir
 #     bash benchmarks/gpu_rows.sh --smoke [OUT]  # the same rows at tiny presets, on a CPU too
 #     ROWS="8b mixtral" bash benchmarks/gpu_rows.sh [OUT]  # only the rows named
+#     MODES=fsdp2-compile,mfsdp bash benchmarks/gpu_rows.sh [OUT]  # only the modes named
+#     LINK=nvlink bash benchmarks/gpu_rows.sh [OUT]  # each collective takes its modeled time,
+#         its data copies on a communication stream (the bench's --emulate-link)
 #
 # Writes OUT/<row>.json (after each mode), OUT/summary.json and the whole log,
 # OUT/gpu_rows.log. Needs only python3 ($PYTHON) with torch and transformers.
@@ -67,7 +70,7 @@ later_shares() {
 
 run_rows() {
     local deadline=$((SECONDS + $(later_shares -1))) statuses=() i
-    echo "gpu_rows: $(date -u +%FT%TZ), $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo 'no git'), out $out"
+    echo "gpu_rows: $(date -u +%FT%TZ), $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo 'no git'), out $out${LINK:+, link $LINK}"
     "$python" -c 'import torch, transformers as t; print("torch", torch.__version__, "transformers", t.__version__)'
     for ((i = 0; i < ${#rows[@]}; i++)); do
         local name preset world batch seq share limit status
@@ -82,8 +85,8 @@ run_rows() {
         echo "gpu_rows: $name ($preset, fake world $world, $batch x $seq), at most $limit s"
         timeout --kill-after="$grace_s" "$limit" "$python" -m fsdp_compile.bench \
             --preset "$preset" --fake-world "$world" --batch "$batch" --seq "$seq" \
-            --param-dtype bfloat16 --modes fsdp2-compile,mfsdp,mfsdp-cudagraph \
-            --warmup 2 --steps 5 --json "$out/$name.json"
+            --param-dtype bfloat16 --modes "${MODES:-fsdp2-compile,mfsdp,mfsdp-cudagraph}" \
+            ${LINK:+--emulate-link "$LINK"} --warmup 2 --steps 5 --json "$out/$name.json"
         status=$?
         # On a line of its own: a killed row leaves its progress bar unfinished.
         printf '\ngpu_rows: %s ended with status %s after %s s in all\n' "$name" "$status" "$SECONDS"

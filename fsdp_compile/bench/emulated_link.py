@@ -11,10 +11,13 @@ it on that link (``fsdp_compile.schedule.collective_seconds``, ``NVLINK_GPU`` or
   its ``wait()`` blocks the caller until the modeled end, and the time blocked is counted
   as exposed communication (``EmulatedLinkGroup.exposed_s``). Compute the program runs
   between issue and wait hides the collective, as it does on a real link.
-- CUDA: the collective is a ``torch.cuda._sleep`` of the modeled length on a communication
-  stream, after an event on the issuing stream (it starts when its input is ready and the
-  link is free); ``wait()`` makes the current stream wait on its end, as NCCL's does, so
-  exposed time is what the compute stream idles. The host is not blocked.
+- CUDA: the collective is its data copies and a ``torch.cuda._sleep`` of the modeled length
+  on a communication stream, after an event on the issuing stream (it starts when its input
+  is ready and the link is free); ``wait()`` makes the current stream wait on its end, as
+  NCCL's does, so exposed time is what the compute stream idles. The host is not blocked.
+  The copies run there as NCCL's kernels do: on the issuing stream (where torch's fake group
+  runs them) they would cost a program that issues from its compute stream, as a compiled
+  graph does, and not one that issues from a stream of its own, as FSDP2 does.
 
 torch has no process group that delays (the fake group does nothing, gloo and NCCL need
 peers), hence this one; the delays come from the same model the simulator uses, so a
@@ -114,30 +117,37 @@ class EmulatedLinkGroup(dist.ProcessGroup):
         # A Python group's C++ name field stays empty; c10d's registry holds the name.
         return dist.distributed_c10d._world.pg_names[self]
 
-    def _issue(self, kind: str, nbytes: int, tensors: list[torch.Tensor]) -> dist.Work:
+    def _issue(self, kind: str, nbytes: int, outputs: list[torch.Tensor], move=None, inputs=()) -> dist.Work:
+        """Give the collective its modeled time on the link; ``move()`` writes ``outputs`` from
+        ``inputs`` (the fake group's data semantics): at once on the CPU, on the communication
+        stream on CUDA, where NCCL's kernels would write them."""
         facts = CollectiveFacts(kind=kind, group_name="", world=self._world, nbytes=nbytes, dtype=torch.uint8)
         seconds = collective_seconds(facts, self.hardware)
         self.modeled_s += seconds
         if nbytes:  # a barrier or a broadcast of nothing moves nothing
             self.issued.append((kind, nbytes))
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = outputs[0].device if outputs else torch.device("cpu")
         if device.type == "cuda":
-            return self._issue_cuda(device, seconds, tensors)
+            return self._issue_cuda(device, seconds, outputs, move, inputs)
+        if move is not None:
+            move()
         with self._lock:
             start = max(time.perf_counter(), self._link_free_at)
             self._link_free_at = start + seconds
-        return _CpuWork(self, self._link_free_at, tensors)
+        return _CpuWork(self, self._link_free_at, outputs)
 
-    def _issue_cuda(self, device: torch.device, seconds: float, tensors: list) -> dist.Work:
+    def _issue_cuda(self, device: torch.device, seconds: float, outputs: list, move, inputs) -> dist.Work:
         stream = self._streams.setdefault(device, torch.cuda.Stream(device))
         ready = torch.cuda.current_stream(device).record_event()
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
+            if move is not None:
+                move()
             torch.cuda._sleep(int(seconds * self._sleep_cycles_per_second(device)))
-            for t in tensors:
+            for t in (*outputs, *inputs):  # used on this stream: not reused before it is done
                 t.record_stream(stream)
             done = stream.record_event()
-        return _CudaWork(done, tensors)
+        return _CudaWork(done, outputs)
 
     def _sleep_cycles_per_second(self, device: torch.device) -> float:
         """``torch.cuda._sleep`` spins for a number of GPU cycles: timed once per device."""
@@ -162,35 +172,48 @@ class EmulatedLinkGroup(dist.ProcessGroup):
                 piece.copy_(source)
 
     def all_gather_single(self, output, input, opts=None):
-        self._repeat(output, input)
-        return self._issue("all_gather", output.numel() * output.element_size(), [output])
+        return self._issue(
+            "all_gather", output.numel() * output.element_size(), [output], lambda: self._repeat(output, input), [input]
+        )
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs, strict=True):
-            self._repeat(output, input)
-        return self._issue("all_gather", sum(o.numel() * o.element_size() for o in outputs), outputs)
+        def move():
+            for output, input in zip(outputs, inputs, strict=True):
+                self._repeat(output, input)
+
+        return self._issue("all_gather", sum(o.numel() * o.element_size() for o in outputs), outputs, move, inputs)
 
     def allgather(self, output_lists, inputs, opts=None):
-        for outputs, input in zip(output_lists, inputs, strict=True):
-            for output in outputs:
-                output.copy_(input)
+        def move():
+            for outputs, input in zip(output_lists, inputs, strict=True):
+                for output in outputs:
+                    output.copy_(input)
+
         flat = [o for outputs in output_lists for o in outputs]
-        return self._issue("all_gather", sum(o.numel() * o.element_size() for o in flat), flat)
+        return self._issue("all_gather", sum(o.numel() * o.element_size() for o in flat), flat, move, inputs)
+
+    def _keep_mine(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        output.copy_(input.reshape(self._world, -1)[self._rank].view_as(output))
 
     def reduce_scatter_single(self, output, input, opts=None):
-        output.copy_(input.reshape(self._world, -1)[self._rank].view_as(output))
-        return self._issue("reduce_scatter", input.numel() * input.element_size(), [output])
+        nbytes = input.numel() * input.element_size()
+        return self._issue("reduce_scatter", nbytes, [output], lambda: self._keep_mine(output, input), [input])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs, strict=True):
-            output.copy_(input.reshape(self._world, -1)[self._rank].view_as(output))
-        return self._issue("reduce_scatter", sum(i.numel() * i.element_size() for i in inputs), outputs)
+        def move():
+            for output, input in zip(outputs, inputs, strict=True):
+                self._keep_mine(output, input)
+
+        nbytes = sum(i.numel() * i.element_size() for i in inputs)
+        return self._issue("reduce_scatter", nbytes, outputs, move, inputs)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        for output, inputs in zip(outputs, input_lists, strict=True):
-            output.copy_(inputs[self._rank])
-        nbytes = sum(t.numel() * t.element_size() for inputs in input_lists for t in inputs)
-        return self._issue("reduce_scatter", nbytes, outputs)
+        def move():
+            for output, inputs in zip(outputs, input_lists, strict=True):
+                output.copy_(inputs[self._rank])
+
+        read = [t for inputs in input_lists for t in inputs]
+        return self._issue("reduce_scatter", sum(t.numel() * t.element_size() for t in read), outputs, move, read)
 
     # torch 2.12's c10d calls the tensor-to-tensor collectives by these older names.
     _allgather_base = all_gather_single
@@ -205,9 +228,11 @@ class EmulatedLinkGroup(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        if output.numel() == input.numel():
-            output.copy_(input.view_as(output))
-        return self._issue("all_to_all", input.numel() * input.element_size(), [output])
+        def move():
+            if output.numel() == input.numel():
+                output.copy_(input.view_as(output))
+
+        return self._issue("all_to_all", input.numel() * input.element_size(), [output], move, [input])
 
     def broadcast(self, tensors, opts=None):
         return self._issue("all_gather", 0, tensors)
