@@ -76,11 +76,7 @@ def pack_for_reduce_scatter(grads: list[Tensor], world: int, dtype: torch.dtype 
     goes, as FSDP2's copy-in into its reduce-dtype buffer does, so a gradient reduced in
     another dtype than it was computed in is written once (NOTE: gradients packed once, in
     fsdp_compile/passes/pack_in_reduce_dtype.py)."""
-    return pack_into(grads, world, packed_like(grads, dtype))
-
-
-def pack_into(grads: list[Tensor], world: int, packed: Tensor) -> Tensor:
-    """``pack_for_reduce_scatter`` into ``packed`` (from ``packed_like``)."""
+    packed = _packed_like(grads, dtype)
     torch._chunk_cat(grads, 0, world, out=packed.view(world, -1))
     return packed
 
@@ -91,13 +87,13 @@ def widens(source: torch.dtype, target: torch.dtype) -> bool:
     return source.is_floating_point and target.is_floating_point and torch.promote_types(source, target) == target
 
 
-def packed_like(grads: list[Tensor], dtype: torch.dtype | None) -> Tensor:
+def _packed_like(grads: list[Tensor], dtype: torch.dtype | None) -> Tensor:
     return grads[0].new_empty(sum(g.numel() for g in grads), dtype=dtype or grads[0].dtype)
 
 
 @pack_for_reduce_scatter.register_fake
 def _(grads, world, dtype=None) -> Tensor:
-    return packed_like(grads, dtype)
+    return _packed_like(grads, dtype)
 
 
 split_gathered.register_autograd(_split_gathered_backward, setup_context=_split_gathered_setup)

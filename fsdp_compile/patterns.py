@@ -40,7 +40,6 @@ from fsdp_compile import bucket_copies as _bucket_copies  # noqa: F401  (registe
 from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD, BLOCK_GRADED, RNG_STATE
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
 from fsdp_compile.float8 import FLOAT8_CAST
-from fsdp_compile import reduce_stream as _reduce_stream  # noqa: F401  (registers its two ops)
 
 UNSHARD = torch.ops.fsdp_compile.unshard.default
 REDUCE_GRAD = torch.ops.fsdp_compile.reduce_grad.default
@@ -52,8 +51,6 @@ ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 SPLIT_GATHERED = torch.ops.fsdp_compile.split_gathered.default
 PACK_FOR_REDUCE_SCATTER = torch.ops.fsdp_compile.pack_for_reduce_scatter.default
-PACK_AND_REDUCE_SCATTER = torch.ops.fsdp_compile.pack_and_reduce_scatter.default
-WAIT_REDUCE_SCATTER = torch.ops.fsdp_compile.wait_reduce_scatter.default
 CONVERT_ELEMENT_TYPE = torch.ops.prims.convert_element_type.default
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
@@ -87,9 +84,7 @@ def is_all_gather(node: fx.Node) -> bool:
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
-    """Either form: the functional collective, or the pack and reduce-scatter of a bucket as one
-    op off the compute stream (passes/reduce_off_compute_stream.py)."""
-    return _calls(node, REDUCE_SCATTER) or _calls(node, PACK_AND_REDUCE_SCATTER)
+    return _calls(node, REDUCE_SCATTER)
 
 
 def is_all_reduce(node: fx.Node) -> bool:
@@ -107,8 +102,7 @@ def is_collective(node: fx.Node) -> bool:
 
 
 def is_wait(node: fx.Node) -> bool:
-    """A functional collective's wait, or a ``pack_and_reduce_scatter``'s."""
-    return _calls(node, WAIT) or _calls(node, WAIT_REDUCE_SCATTER)
+    return _calls(node, WAIT)
 
 
 def is_split_gathered(node: fx.Node) -> bool:
@@ -265,9 +259,7 @@ def collective_facts(node: fx.Node) -> CollectiveFacts:
         world = int(_argument(node, "group_size"))
     else:  # all_reduce and all_to_all name only their group
         world = _resolve_process_group(group_name).size()
-    # An all-gather's output; pack_and_reduce_scatter returns the packed input it reduces.
-    returns_full = kind == "all_gather" or _calls(node, PACK_AND_REDUCE_SCATTER)
-    full = node.meta["val"] if returns_full else node.args[0].meta["val"]
+    full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
     nbytes = full.numel() * full.element_size()
     dtype = node.meta.get(CARRIES, full.dtype)
     return CollectiveFacts(

@@ -100,12 +100,6 @@ def build_pipeline(plan: Plan) -> Pipeline:
         Pass("replay_block_rng", "partitioned", passes.replay_block_rng, passes.check_replay_block_rng),
         Pass("bucket_collectives", "partitioned", passes.bucket_collectives, passes.check_bucket_collectives),
         Pass("schedule_collectives", "partitioned", passes.schedule_collectives, passes.check_schedule_collectives),
-        Pass(
-            "reduce_off_compute_stream",
-            "partitioned",
-            passes.reduce_off_compute_stream,
-            passes.check_reduce_off_compute_stream,
-        ),
         *([Pass("check_cuda_graph", "partitioned", passes.check_cuda_graph, rewrites=False)] if options.cuda_graph else []),
     ]
     return Pipeline(plan, tuple(dynamo + joint + partitioned))

@@ -7,7 +7,7 @@ Order (see ``fsdp_compile.pipeline.build_pipeline``):
                  -> save_block_rng
                  -> (min-cut partition)
   partitioned:   replay_block_rng -> bucket_collectives -> schedule_collectives (forward
-                 and backward) -> reduce_off_compute_stream
+                 and backward)
                  -> check_cuda_graph (only with options["cuda_graph"])
 """
 
@@ -23,10 +23,6 @@ from fsdp_compile.passes.drop_block_probes import check_drop_block_probes, drop_
 from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_unshards
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
 from fsdp_compile.passes.pack_in_reduce_dtype import check_pack_in_reduce_dtype, pack_in_reduce_dtype
-from fsdp_compile.passes.reduce_off_compute_stream import (
-    check_reduce_off_compute_stream,
-    reduce_off_compute_stream,
-)
 from fsdp_compile.passes.replay_block_rng import check_replay_block_rng, replay_block_rng
 from fsdp_compile.passes.reshard import check_reshard, reshard, saved_gathered_params
 from fsdp_compile.passes.save_block_rng import check_save_block_rng, save_block_rng
@@ -69,8 +65,6 @@ __all__ = [
     "check_bucket_collectives",
     "schedule_collectives",
     "check_schedule_collectives",
-    "reduce_off_compute_stream",
-    "check_reduce_off_compute_stream",
     "gather_lifetimes",
     "ranked_gathers",
     "GatherLifetime",
