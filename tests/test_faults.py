@@ -41,3 +41,17 @@ def test_surviving_rank_errors_within_the_process_group_timeout():
     assert dead is None  # rank 1 really died
     assert result["error"] is not None, "the surviving rank finished a step with a dead peer"
     assert result["seconds"] < PG_TIMEOUT + 10, result
+
+
+def _environment(rank, world):
+    return os.environ.get("MFSDP_TEST_SPAWN_ENV"), os.environ.get("MFSDP_TEST_SPAWN_UNSET")
+
+
+def test_ranks_see_the_environment_of_the_test_as_of_the_spawn(monkeypatch):
+    """Ranks fork from the harness's fork server, started with the environment of the first
+    spawn; each must still see the test's environment as it is when it spawns."""
+    monkeypatch.setenv("MFSDP_TEST_SPAWN_ENV", "set by this test")
+    spawn(_environment, 1)  # the server may start here, with the variable set
+    monkeypatch.delenv("MFSDP_TEST_SPAWN_ENV")
+    monkeypatch.setenv("MFSDP_TEST_SPAWN_UNSET", "set later")
+    assert spawn(_environment, 2) == [(None, "set later")] * 2
