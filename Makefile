@@ -29,12 +29,16 @@ demo: install
 # `make test`: the whole suite on the pinned torch, then the structure tier on the lowest.
 test: test-suite test-lowest-torch
 
+# The single-process tier runs on NPROC pytest workers (pytest-xdist): its tests are
+# independent processes' worth of work on one core each. The spawning tiers run one test at a
+# time, their ranks using the cores.
 test-suite: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest -m structure -n $(NPROC) tests
+	$(PY) -m pytest -m "not structure" tests
 
 # One tier, for the change at hand: the single-process tier in minutes, the spawning one.
 test-structure: install
-	$(PY) -m pytest -m structure tests
+	$(PY) -m pytest -m structure -n $(NPROC) tests
 
 test-multirank: install
 	$(PY) -m pytest -m multirank tests
@@ -46,7 +50,7 @@ $(LOWEST_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-lowest-torch: $(LOWEST_VENV)/.installed
-	$(LOWEST_VENV)/bin/python -m pytest -m structure tests
+	$(LOWEST_VENV)/bin/python -m pytest -m structure -n $(NPROC) tests
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info
