@@ -32,12 +32,15 @@ import json
 import os
 import re
 import tempfile
+import types
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch._guards import CompileContext
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.plan import Plan
@@ -157,30 +160,44 @@ def draw_timeline(timelines) -> bytes:
     return buffer.getvalue()
 
 
-_hooked_roots: set[Path] = set()
+_frame_roots: dict[object, Path] = {}
+"""The dump root of each frame Dynamo is compiling for a backend with dumps on, by compile id:
+filled while the backend compiles the frame's graph, taken by the bytecode hook once Dynamo
+has made the frame's new bytecode (in the same compile)."""
+_frame_hook: RemovableHandle | None = None
 
 
 def dump_frames(root: Path) -> None:
-    """Decompile every frame Dynamo transforms from now on into ``root/rank<R>/frames``.
+    """Decompile the frame Dynamo is compiling now into ``root/rank<R>/frames``, once Dynamo
+    has rewritten it. Called while the backend compiles the frame's graph.
 
-    Uses depyf's decompiler on Dynamo's bytecode hook; registered once per dump root.
-    """
-    if root in _hooked_roots:
+    Dynamo's bytecode hooks are process-wide and see every frame, so one hook, installed by
+    the first call, writes each frame into the root of the compile that asked for it, and no
+    other: two models compiled in one process with different ``debug_dir`` keep their
+    frames apart."""
+    global _frame_hook
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None:  # not inside a Dynamo compile: no frame to dump
         return
-    _hooked_roots.add(root)
+    _frame_roots[compile_id] = root
+    if _frame_hook is None:
+        _frame_hook = torch._dynamo.convert_frame.register_bytecode_hook(_write_frame)
+
+
+def _write_frame(original: types.CodeType, transformed: types.CodeType) -> None:
+    root = _frame_roots.pop(CompileContext.current_compile_id(), None)
+    if root is None:  # a frame compiled for no dump
+        return
     import depyf
 
-    def hook(original, transformed):
-        name = f"{original.co_name}-{original.co_firstlineno}.py".replace("<", "").replace(">", "")
-        try:
-            text = (
-                f"# {original.co_filename}:{original.co_firstlineno}\n"
-                f"# --- user source (decompiled) ---\n{depyf.decompile(original)}\n"
-                f"# --- as Dynamo rewrote it: calls into the compiled graphs ---\n"
-                f"{depyf.decompile(transformed)}\n"
-            )
-        except Exception as error:  # depyf covers most, not all, bytecode
-            text = f"# depyf could not decompile {original.co_name}: {error}\n"
-        write_atomic(root / f"rank{_rank()}" / "frames" / name, text)
-
-    torch._dynamo.convert_frame.register_bytecode_hook(hook)
+    name = f"{original.co_name}-{original.co_firstlineno}.py".replace("<", "").replace(">", "")
+    try:
+        text = (
+            f"# {original.co_filename}:{original.co_firstlineno}\n"
+            f"# --- user source (decompiled) ---\n{depyf.decompile(original)}\n"
+            f"# --- as Dynamo rewrote it: calls into the compiled graphs ---\n"
+            f"{depyf.decompile(transformed)}\n"
+        )
+    except Exception as error:  # depyf covers most, not all, bytecode
+        text = f"# depyf could not decompile {original.co_name}: {error}\n"
+    write_atomic(root / f"rank{_rank()}" / "frames" / name, text)

@@ -7,6 +7,7 @@ from importlib import resources
 
 import jsonschema
 import pytest
+import torch
 from matplotlib import pyplot as plt
 
 import fsdp_compile
@@ -133,3 +134,30 @@ def test_dumps_without_the_debug_extra_fail_before_tracing(tmp_path, monkeypatch
     )
     with pytest.raises(ValueError, match=r"need depyf: pip install 'fsdp_compile\[debug\]'"):
         _dump_step(tmp_path, debug_dir=str(tmp_path))
+
+
+class _Scale(torch.nn.Module):
+    """A model whose frame is not the test Transformer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return (x @ self.weight).relu()
+
+
+def test_two_models_dump_their_frames_each_into_their_own_folder(tmp_path):
+    """Dynamo's bytecode hooks see every frame of the process: each frame goes to the folder
+    of the compile that asked for it. Seen before: a process that compiled three HF models
+    with three ``debug_dir``s wrote the frames of all three into every folder."""
+    first, second = tmp_path / "transformer", tmp_path / "scale"
+    cfg = TransformerConfig()
+    with fake_process_group(8):
+        compile_one_step(fully_shard(build_model(cfg)), cfg, debug_dir=str(first))
+        scale = torch.compile(fully_shard(_Scale()), backend=MfsdpBackend(compiler="eager", debug_dir=str(second)))
+        scale(torch.randn(2, 8)).sum().backward()
+    frames = {root: {f.name for f in (root / "rank0" / "frames").glob("*.py")} for root in (first, second)}
+    scale_frame = f"forward-{_Scale.forward.__code__.co_firstlineno}.py"
+    assert frames[second] == {scale_frame}
+    assert frames[first] and scale_frame not in frames[first]
