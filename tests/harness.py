@@ -44,8 +44,9 @@ _RANK_PRELOAD = ["torch", "torch.distributed", "fsdp_compile", "harness", "pytes
 def _rank_context():
     """Ranks start from a fork server that has imported ``_RANK_PRELOAD`` once for the whole
     test run, not from a fresh interpreter each (importing torch and fsdp_compile took 3.5 to
-    8.5 s a rank on the 2-core box). The server imports only: it has made no thread, no
-    process group and no CUDA context a fork could copy."""
+    8.5 s a rank on the 2-core box). The server only imports: it runs no torch op and holds no
+    process group or CUDA context a fork could copy (importing torch starts one idle helper
+    thread, as it does before DataLoader workers fork)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_RANK_PRELOAD)
     return ctx
