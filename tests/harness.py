@@ -37,8 +37,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-_RANK_PRELOAD = ["torch", "torch.distributed", "fsdp_compile", "harness", "pytest"]
-"""What each rank would import first: the fork server imports it once, its ranks fork from it."""
+_HF_FAMILIES = ("llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2", "t5")
+"""The HuggingFace families the multirank tests build in their ranks (test_hf_habits.py,
+test_regions.py); transformers imports a family's modeling module on first use, 1.2 s for
+these."""
+_RANK_PRELOAD = [
+    "torch", "torch.distributed", "fsdp_compile", "harness", "pytest",
+    *(f"transformers.models.{family}.modeling_{family}" for family in _HF_FAMILIES),
+]
+"""What each rank would import first: the fork server imports it once, its ranks fork from it
+(a module that does not import is skipped, as the fork server does)."""
 
 
 def _rank_context():
