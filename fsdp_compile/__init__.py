@@ -4,14 +4,9 @@
 places the all-gathers and reduce-scatters on the traced graph.
 """
 
-from fsdp_compile.api import (
-    MixedPrecision,
-    fully_shard,
-    gathered_params,
-    is_fully_sharded,
-    set_requires_gradient_sync,
-    shard_info,
-)
+from fsdp_compile.api import fully_shard
+from fsdp_compile.gathered_reads import set_requires_gradient_sync
+from fsdp_compile.records import MixedPrecision, gathered_params, is_fully_sharded, shard_info
 from fsdp_compile.capture import CapturedStep, capture_step
 from fsdp_compile.clip import clip_grad_norm_
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend, mfsdp_backend, register

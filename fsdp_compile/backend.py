@@ -29,9 +29,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx.graph import _BoxedCodeGen
 
-from fsdp_compile.block_call import lower_block_calls_keeping_their_buffers
+from fsdp_compile.block_call import block_calls_keep_their_buffers
 from fsdp_compile.compat import compile_caches_work
-from fsdp_compile.debug import GraphDumper, debug_dir, dump_frames
+from fsdp_compile.debug import GraphDumper, debug_dir, frame_dumper
 from fsdp_compile.patterns import is_block_call
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan
@@ -67,7 +67,7 @@ class _Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         # Stable across processes and ranks: file contents and the plan, whose labels are
-        # counters a fresh process hands out alike (fsdp_compile.api).
+        # counters a fresh process hands out alike (fsdp_compile.records).
         return (get_hash_for_files(_COMPILED_CODE_SOURCES), self.graph.plan.cache_key())
 
 
@@ -94,6 +94,19 @@ def _run_graph(gm: fx.GraphModule, example_inputs: Sequence[object], **_: Any):
     return run
 
 
+def _keeping_block_buffers(compile_graph: Callable) -> Callable:
+    """Inductor's graph compiler, lowering the block calls of each graph it compiles so that
+    no buffer they read or return is reused (``block_calls_keep_their_buffers``): the step's
+    forward, and its backward, which recomputes checkpointed blocks and may compile after
+    ``compile`` returned."""
+
+    def compile_keeping(gm: fx.GraphModule, example_inputs: Sequence[object], **kwargs: Any):
+        with block_calls_keep_their_buffers():
+            return compile_graph(gm, example_inputs, **kwargs)
+
+    return compile_keeping
+
+
 class CompiledGraph:
     """One graph Dynamo handed the backend, driven through every stage; it keeps the plan and
     the graph each stage produced, for inspection, dumps and tests."""
@@ -103,8 +116,8 @@ class CompiledGraph:
         self.pipeline = build_pipeline(self.plan)
         root = debug_dir(options.debug_dir)
         self.dumper = GraphDumper(root, self.plan) if root else None
-        if root:
-            dump_frames(root)
+        self._dump_frame = frame_dumper(root) if root else None
+        """Wraps the compiled graph to write its frame at the first call (dumps only)."""
         self.dynamo: fx.GraphModule = gm
         """Dynamo's graph, after the Dynamo-stage passes."""
         self.joint: fx.GraphModule | None = None
@@ -157,6 +170,10 @@ class CompiledGraph:
         (the compiled step holds this object until its lazy backward compiles, and Dynamo
         keeps the compiled step in the user's module globals) they would hold a dropped
         model's memory for the life of the process."""
+        compiled = self._compile_stages(example_inputs)
+        return self._dump_frame(compiled) if self._dump_frame else compiled
+
+    def _compile_stages(self, example_inputs: list) -> Callable:
         if self.dumper:
             self.dumper.graph("dynamo", self.dynamo)
         self.dynamo = self._run("dynamo", self.dynamo)
@@ -189,7 +206,6 @@ class CompiledGraph:
         # Dumps and inspection need every stage, hence no cache with a debug_dir or
         # compile_cache=False. torch 2.13 keys a graph of DTensors per process and loads it
         # without its opaque constants (the gradients' DeviceMesh): compat.py fixes both.
-        lower_block_calls_keeping_their_buffers()
         cached = self.plan.options.compile_cache and self.dumper is None
         with (
             torch._functorch.config.patch(enable_autograd_cache=cached),
@@ -198,7 +214,7 @@ class CompiledGraph:
             return compile_fx(
                 self.dynamo,
                 example_inputs,
-                inner_compile=self._with_partitioned_passes(compile_fx_inner),
+                inner_compile=self._with_partitioned_passes(_keeping_block_buffers(compile_fx_inner)),
                 config_patches={
                     "custom_partitioner_fn": partitioner,
                     # Inductor's peak-memory reordering would move each gather down to its

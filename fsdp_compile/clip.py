@@ -31,7 +31,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_compile.api import shard_info
+from fsdp_compile.records import shard_info
 from fsdp_compile.errors import UsageError
 
 __all__ = ["clip_grad_norm_"]

@@ -27,20 +27,21 @@ name and renamed, so ranks dumping at once never interleave.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
 import re
+import sys
 import tempfile
 import types
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch._guards import CompileContext
-from torch.utils.hooks import RemovableHandle
 
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.plan import Plan
@@ -160,34 +161,43 @@ def draw_timeline(timelines) -> bytes:
     return buffer.getvalue()
 
 
-_frame_roots: dict[object, Path] = {}
-"""The dump root of each frame Dynamo is compiling for a backend with dumps on, by compile id:
-filled while the backend compiles the frame's graph, taken by the bytecode hook once Dynamo
-has made the frame's new bytecode (in the same compile)."""
-_frame_hook: RemovableHandle | None = None
+def frame_dumper(root: Path) -> Callable[[Callable], Callable]:
+    """Called while the backend compiles a frame's graph: a wrapper for the compiled graph
+    that, at its first call, writes the frame into ``root/rank<R>/frames``, decompiled as the
+    user wrote it and as Dynamo rewrote it. The rewritten code exists only once the compile
+    is over, and at that first call it is the frame that calls the graph. Nothing process-wide
+    is installed: two models compiled in one process with different ``debug_dir`` write
+    their frames each into their own folder."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    original = InstructionTranslator.current_tx().f_code
+
+    def wrap(compiled: Callable) -> Callable:
+        written = False
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            nonlocal written
+            if not written:
+                written = True
+                _write_frame(root, original, _rewritten_caller(original))
+            return compiled(*args, **kwargs)
+
+        return functools.update_wrapper(run, compiled, assigned=(), updated=("__dict__",))
+
+    return wrap
 
 
-def dump_frames(root: Path) -> None:
-    """Decompile the frame Dynamo is compiling now into ``root/rank<R>/frames``, once Dynamo
-    has rewritten it. Called while the backend compiles the frame's graph.
-
-    Dynamo's bytecode hooks are process-wide and see every frame, so one hook, installed by
-    the first call, writes each frame into the root of the compile that asked for it, and no
-    other: two models compiled in one process with different ``debug_dir`` keep their
-    frames apart."""
-    global _frame_hook
-    compile_id = CompileContext.current_compile_id()
-    if compile_id is None:  # not inside a Dynamo compile: no frame to dump
-        return
-    _frame_roots[compile_id] = root
-    if _frame_hook is None:
-        _frame_hook = torch._dynamo.convert_frame.register_bytecode_hook(_write_frame)
+def _rewritten_caller(original: types.CodeType) -> types.CodeType | None:
+    """The code Dynamo rewrote ``original`` into, found as a frame on the stack now (called
+    from a compiled graph's first call); None if none is."""
+    rewritten = {entry.code for entry in torch._dynamo.eval_frame._debug_get_cache_entry_list(original)}
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in rewritten:
+        frame = frame.f_back
+    return frame.f_code if frame is not None else None
 
 
-def _write_frame(original: types.CodeType, transformed: types.CodeType) -> None:
-    root = _frame_roots.pop(CompileContext.current_compile_id(), None)
-    if root is None:  # a frame compiled for no dump
-        return
+def _write_frame(root: Path, original: types.CodeType, rewritten: types.CodeType | None) -> None:
     import depyf
 
     name = f"{original.co_name}-{original.co_firstlineno}.py".replace("<", "").replace(">", "")
@@ -196,7 +206,7 @@ def _write_frame(original: types.CodeType, transformed: types.CodeType) -> None:
             f"# {original.co_filename}:{original.co_firstlineno}\n"
             f"# --- user source (decompiled) ---\n{depyf.decompile(original)}\n"
             f"# --- as Dynamo rewrote it: calls into the compiled graphs ---\n"
-            f"{depyf.decompile(transformed)}\n"
+            f"{depyf.decompile(rewritten) if rewritten is not None else '(not found on the stack)'}\n"
         )
     except Exception as error:  # depyf covers most, not all, bytecode
         text = f"# depyf could not decompile {original.co_name}: {error}\n"

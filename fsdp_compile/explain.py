@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_compile.api import shard_info
+from fsdp_compile.records import shard_info
 from fsdp_compile.backend import MfsdpBackend
 from fsdp_compile.patterns import count_collectives
 from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline

@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
 
-from fsdp_compile.api import ShardInfo, shard_info
+from fsdp_compile.records import ShardInfo, shard_info
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.ops import padded_rows
 
@@ -132,11 +132,7 @@ def _group_key(param: nn.Parameter, info: ShardInfo) -> tuple | None:
         or info.float8 is not None
     ):
         return None
-    return (
-        param.dtype, param.requires_grad, param.device_mesh, tuple(param.placements), info.unit,
-        info.strategy, info.group_name, info.world, info.replicate_group_name, info.replicate_world,
-        info.grad_divisor, info.reshard_after_forward, info.param_dtype, info.reduce_dtype,
-    )
+    return (param.dtype, param.requires_grad, param.device_mesh, tuple(param.placements), info.alike())
 
 
 def flat_groups(params: list[nn.Parameter]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
@@ -252,7 +248,7 @@ def converted_flat(flat: nn.Parameter, members: list[nn.Parameter], fn) -> nn.Pa
 
 def note_graded(flat: nn.Parameter, flags: tuple[bool, ...], *, traced: bool) -> None:
     """Record which members of ``flat`` get a gradient (one flag per member; empty: none),
-    for the hand-out (see NOTE: parameters without a gradient, in block_call.py): ``traced``,
+    for the hand-out (see NOTE: parameters without a gradient, in block_fakes.py): ``traced``,
     as a compiled step found while tracing (it holds for every run of that step); otherwise
     for the eager backward under way only."""
     flags = flags or (False,) * len(flat._mfsdp_members)

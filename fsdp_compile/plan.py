@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from fsdp_compile.api import ShardInfo
+from fsdp_compile.records import ShardInfo
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.ops import GATHERING_STRATEGIES, SCATTERING_STRATEGIES, GradReduceOp
 

@@ -31,7 +31,7 @@ from torch import fx, nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile.api import repeated_block, shard_info
+from fsdp_compile.records import repeated_block, shard_info
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.ops import gradient_reduce_op
 from fsdp_compile.patterns import is_unshard, marker_param_id

@@ -34,7 +34,8 @@ from fsdp_compile.patterns import (
     is_collective,
     is_wait,
 )
-from fsdp_compile.block_call import BLOCK_BACKWARD, call_record
+from fsdp_compile.block_call import BLOCK_BACKWARD
+from fsdp_compile.block_record import call_record
 from fsdp_compile.plan import Plan
 
 __all__ = ["Hardware", "NVLINK_GPU", "Collective", "collective_schedule", "estimate_timeline", "Timeline"]

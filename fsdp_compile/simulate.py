@@ -42,7 +42,8 @@ import torch
 from torch import fx
 
 from fsdp_compile.backend import CompiledGraph
-from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD, call_record
+from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD
+from fsdp_compile.block_record import call_record
 from fsdp_compile.passes.schedule_collectives import collective_groups, ranked_gathers, schedule_collectives
 from fsdp_compile.patterns import is_collective, is_view, is_wait
 from fsdp_compile.plan import Plan
@@ -137,7 +138,7 @@ def peak_memory(gm: fx.GraphModule) -> int:
 def _held_by_call(node: fx.Node) -> int:
     """Bytes a block call holds while it runs that no node of the step does (0 for any other
     node): its flats' members copied out, in the forward and again in the backward
-    (``block_call._held_bytes``)."""
+    (``block_fakes.held_bytes``)."""
     if node.target not in (BLOCK_FORWARD, BLOCK_BACKWARD):
         return 0
     held = call_record(node.args[-1]).traced.get("held_bytes", {})

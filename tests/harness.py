@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fsdp_compile.api import gathered_params
+from fsdp_compile.records import gathered_params
 from fsdp_compile.testing.models import Transformer, TransformerConfig, loss_fn, make_batch
 
 STEPS = 5

@@ -17,7 +17,7 @@ from fsdp_compile.passes import (
     saved_gathered_params,
 )
 from fsdp_compile.patterns import bucket_index, count_collectives, is_collective, is_reduce_scatter
-from fsdp_compile.api import ShardInfo
+from fsdp_compile.records import ShardInfo
 from fsdp_compile.plan import BackendOptions, ParamPlan
 from fsdp_compile.planner import plan_buckets
 from harness import (

@@ -148,9 +148,10 @@ class _Scale(torch.nn.Module):
 
 
 def test_two_models_dump_their_frames_each_into_their_own_folder(tmp_path):
-    """Dynamo's bytecode hooks see every frame of the process: each frame goes to the folder
-    of the compile that asked for it. Seen before: a process that compiled three HF models
-    with three ``debug_dir``s wrote the frames of all three into every folder."""
+    """Each frame goes to the folder of the compile that asked for it. Seen before, when a
+    Dynamo bytecode hook (which sees every frame of the process) wrote them: a process that
+    compiled three HF models with three ``debug_dir``s wrote the frames of all three into
+    every folder."""
     first, second = tmp_path / "transformer", tmp_path / "scale"
     cfg = TransformerConfig()
     with fake_process_group(8):

@@ -126,6 +126,29 @@ def test_importing_changes_nothing_in_torch_and_a_cpu_fully_shard_installs_the_g
     _runs_to_the_end(script)
 
 
+@pytest.mark.structure
+def test_a_compile_leaves_nothing_installed_in_torch(tmp_path):
+    """Compiling with dumps and Inductor installs nothing that outlives the compile: no Dynamo
+    bytecode hook (the frames are written at the compiled graph's first call), and the block
+    call's lowering back to the plain one Inductor makes for a custom op, after the step's
+    backward, which Inductor compiles at the first backward."""
+    from torch._dynamo.convert_frame import _bytecode_hooks
+    from torch._inductor import lowering
+
+    from fsdp_compile.block_call import BLOCK_FORWARD
+
+    hooks = dict(_bytecode_hooks)
+    cfg = TransformerConfig(n_layers=2)
+    backend = MfsdpBackend(compiler="inductor", debug_dir=str(tmp_path))
+    tokens, targets = make_batch(cfg, 2, 8, 0, 0)
+    with fake_process_group(2):
+        step = torch.compile(fully_shard(build_model(cfg)), backend=backend)
+        loss_fn(step(tokens), targets).backward()
+    assert dict(_bytecode_hooks) == hooks
+    assert not getattr(lowering.lowerings.get(BLOCK_FORWARD), "_mfsdp_keeps_buffers", False)
+    assert list((tmp_path / "rank0" / "frames").glob("forward-*.py")), "no frame dumped"
+
+
 class _RankDependentModel(nn.Module):
     """Reads a different parameter on rank 0 than elsewhere: FSDP would hang on this."""
 

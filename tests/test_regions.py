@@ -16,7 +16,8 @@ from torch import nn
 
 from fsdp_compile.node_meta import PREFETCH
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.block_call import BLOCK_FORWARD, call_record
+from fsdp_compile.block_call import BLOCK_FORWARD
+from fsdp_compile.block_record import call_record
 from fsdp_compile.testing.models import RMSNorm, TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives, is_all_gather
@@ -452,7 +453,10 @@ class _ReadsAroundItsBlocks(nn.Module):
 
     def forward(self, h):
         for block in self.blocks:
-            h = h + block(h) if self.combine == "add" else block(h) * h
+            if self.combine == "add-checkpointed":  # recomputed in the backward's graph
+                h = h + torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = h + block(h) if self.combine == "add" else block(h) * h
         return (h**2).sum()
 
 
@@ -460,7 +464,7 @@ def _inductor_gradient_errors(rank, world):
     """Each parameter's gradient under Inductor against the unsharded model's, per model."""
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     errors = {}
-    for combine in ("add", "multiply"):
+    for combine in ("add", "multiply", "add-checkpointed"):
         torch.manual_seed(0)
         reference = _ReadsAroundItsBlocks(combine)
         reference(x).backward()
@@ -477,7 +481,8 @@ def test_inductor_never_reuses_a_buffer_the_body_keeps_for_its_backward():
     """The step's Inductor graph sees a block call as one extern op and reused its output's
     buffer once it had read it (in place, ``buf8 = buf5; del buf5  # reuse``), while the
     body's autograd graph still held it: gradients off by 166% and 25,000%, the loss right.
-    One gloo rank, gradients against the unsharded model."""
+    Checkpointed blocks are called again in the backward's graph, which Inductor compiles at
+    the first backward. One gloo rank, gradients against the unsharded model."""
     ((errors),) = spawn(_inductor_gradient_errors, 1)
     assert max(errors.values()) < 1e-5, errors
 
@@ -636,7 +641,7 @@ class _TwoLosses(nn.Module):
 def _retained_graph_errors(rank, world):
     """Two backwards through one forward, the first with ``retain_graph=True``: the worst
     gradient error against the unsharded model, and the bodies' graphs still waiting after."""
-    from fsdp_compile.block_call import _PENDING
+    from fsdp_compile.block_runtime import _PENDING
 
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
@@ -669,15 +674,15 @@ def test_a_blocks_fake_run_differentiates_on_the_tracing_thread(monkeypatch):
     (torch 2.11) with an internal assert in ``PythonFallbackKernel.cpp`` at its first block
     call. On the CPU autograd never leaves the calling thread, so this checks the switch
     AOTAutograd's own trace uses; the GPU tier (``test_capture.py``) runs the real thing."""
-    from fsdp_compile import block_call
+    from fsdp_compile import block_fakes
 
-    seen, run_on_fakes = [], block_call._run_on_fakes
+    seen, run_on_fakes = [], block_fakes._run_on_fakes
 
     def recording(*args, **kwargs):
         seen.append(torch._C._is_multithreading_enabled())
         return run_on_fakes(*args, **kwargs)
 
-    monkeypatch.setattr(block_call, "_run_on_fakes", recording)
+    monkeypatch.setattr(block_fakes, "_run_on_fakes", recording)
     _compiled_step()
     assert seen and not any(seen), seen
     assert torch._C._is_multithreading_enabled()

@@ -26,7 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import profile
 
 from fsdp_compile.backend import CompiledGraph
-from fsdp_compile.block_call import call_record
+from fsdp_compile.block_record import call_record
 from fsdp_compile.patterns import collective_facts, is_block_call, is_collective
 
 # c10d ops by kind, with the argument that carries the full-size tensor (all-gather output,

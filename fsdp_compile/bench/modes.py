@@ -253,26 +253,12 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
     batches = _batches(run, device)
 
     start = time.perf_counter()
-    if mode == "mfsdp-cudagraph":
-        step = capture_step(step, *batches[0], warmup_steps=run.warmup)
-        first_loss = step.warmup_outputs[0]
-    else:
-        first_loss = step(*batches[0])
-        for _ in range(run.warmup - 1):
-            step(*batches[0])
+    step, first_loss = _warmed_up(mode, step, batches[0], run.warmup)
     _sync(device)
     warmup_s = time.perf_counter() - start
-
     link = dist.distributed_c10d._get_default_group()
     emulated = isinstance(link, EmulatedLinkGroup)
-    issued_before = len(link.issued) if emulated else 0
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
-    with profile(activities=activities, record_shapes=True) as prof:
-        profiled_start = time.perf_counter()
-        step(*batches[1])
-        _sync(device)
-        profiled_ms = 1e3 * (time.perf_counter() - profiled_start)
-    profiled = issued_census(link.issued[issued_before:]) if emulated else profiled_census(prof)
+    prof, profiled, profiled_ms = _profiled_step(step, batches[1], device, link)
 
     memory.warmup_done()
     times, exposed = [], []
@@ -316,6 +302,33 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
     if mode == "mfsdp-cudagraph":
         step.teardown()
     return result
+
+
+def _warmed_up(mode: str, step, batch: tuple, warmup: int) -> tuple:
+    """``step`` after ``warmup`` steps on ``batch`` (captured whole for mfsdp-cudagraph), and
+    the first step's loss."""
+    if mode == "mfsdp-cudagraph":
+        captured = capture_step(step, *batch, warmup_steps=warmup)
+        return captured, captured.warmup_outputs[0]
+    first_loss = step(*batch)
+    for _ in range(warmup - 1):
+        step(*batch)
+    return step, first_loss
+
+
+def _profiled_step(step, batch: tuple, device: torch.device, link) -> tuple:
+    """One step under the profiler: the profile, the collectives it issued (as the emulated
+    link saw them, or as the profiler did) and its time in ms."""
+    emulated = isinstance(link, EmulatedLinkGroup)
+    issued_before = len(link.issued) if emulated else 0
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+    with profile(activities=activities, record_shapes=True) as prof:
+        start = time.perf_counter()
+        step(*batch)
+        _sync(device)
+        profiled_ms = 1e3 * (time.perf_counter() - start)
+    profiled = issued_census(link.issued[issued_before:]) if emulated else profiled_census(prof)
+    return prof, profiled, profiled_ms
 
 
 def agree_across_ranks(result: dict, device: torch.device) -> dict:

@@ -6,7 +6,8 @@ from torch import fx
 from torch._functorch.partitioners import must_recompute
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile.block_call import RNG_STATE, call_record
+from fsdp_compile.block_call import RNG_STATE
+from fsdp_compile.block_record import call_record
 from fsdp_compile.fx_utils import call, finish, inserting
 from fsdp_compile.patterns import is_block_forward, is_rng_state
 from fsdp_compile.plan import Plan

@@ -1,0 +1,109 @@
+"""What the step's graph names a repeated block's call by: a ``BlockCall`` (the block, its
+body, its flats' copies, its constants), registered under the index ``block_forward``
+carries (NOTE: one op per block call, in block_call.py), and the form of a body's outputs."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import Tensor
+
+from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.side_outputs import SideChannel
+
+
+__all__ = ["BlockCall", "FlatCopy", "register_call", "call_record"]
+
+
+@dataclass(frozen=True)
+class FlatCopy:
+    """A gathered flat parameter as a block call hands it to the body and its gradient back
+    (NOTE: a flat's copies in the block call)."""
+
+    unpack: tuple
+    """``split_gathered``'s arguments after the gathered flat (``FlatLayout.unpack_args``)."""
+
+    @property
+    def members(self) -> int:
+        return len(self.unpack[1])
+
+
+@dataclass(frozen=True, eq=False)
+class BlockCall:
+    """One layer's call of its block, as the step's graph names it (``block_forward``'s
+    ``call`` argument indexes these)."""
+
+    block: weakref.ref
+    """The block module (its parameters are already gathered: the body reads none)."""
+    body: Callable[..., Any]
+    """The body function of the block's structure: ``body(block, layout, recipe, side,
+    *leaves)`` (``side``: a ``SideChannel`` its hooks' recorders fill)."""
+    name: str
+    """The body's name, one per structure (``_region_3``)."""
+    layout: str
+    """How the call's leaves regroup into arguments (a key of regions' call layouts)."""
+    recipe: str
+    """How the gathered weights become the block's parameters (a key of regions' recipes)."""
+    constants: tuple[tuple, ...]
+    """Per leaf: ``()`` where a tensor goes, ``(value,)`` for a constant."""
+    train: bool
+    """Traced with grad enabled: the forward keeps its autograd graph for the backward."""
+    backend: weakref.ref
+    """The MfsdpBackend that compiles the body's frame (it outlives the step it compiled)."""
+    flats: tuple[FlatCopy, ...] = ()
+    """The first gathered weights are the block's flat parameters: how each is copied out
+    and its gradient packed (NOTE: a flat's copies in the block call)."""
+    traced: dict = field(default_factory=dict)
+    """Filled by the fake kernel: ``differentiable`` (which tensor leaves need a gradient),
+    ``outputs`` (the metadata of the block's tensor outputs, then of its side values: NOTE:
+    hooks inside a repeated block), ``form`` (how the block's regroup), ``own`` (how many
+    they are), ``side`` (the side values' form), ``cost``: the FLOPs and
+    bytes of the body's forward and backward ops (see ``_RooflineCounter``),
+    ``saved_bytes``: what its autograd graph keeps for the backward (see ``_saved_bytes``),
+    ``held_bytes``: what the call holds while it runs, forward and backward (``held_bytes``),
+    ``random``: whether its forward draws random numbers, and ``graded``: per gathered
+    weight, which of its members the backward gives a gradient (see ``_Graded``)."""
+
+    def leaves(self, tensors: list[Tensor], stand_ins: dict[int, Any]) -> list[Any]:
+        """The body's leaves: the tensors and constants in place, a cache stand-in where its
+        spec is (NOTE: HF caches in a repeated block, in side_outputs.py)."""
+        tensors = iter(tensors)
+        return [next(tensors) if not c else stand_ins[at][0] if at in stand_ins else c[0] for at, c in enumerate(self.constants)]
+
+
+_CALLS: list[BlockCall] = []
+
+
+def register_call(call: BlockCall) -> int:
+    """The index ``block_forward`` names ``call`` by."""
+    _CALLS.append(call)
+    return len(_CALLS) - 1
+
+
+def call_record(index: int) -> BlockCall:
+    return _CALLS[index]
+
+
+def tensor_metadata(tensor: Tensor) -> tuple:
+    return (tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
+
+def tensors_of(output: Any) -> list[Tensor]:
+    """A block's tensor outputs, in order: ``block_forward``'s results before the token."""
+    return [output] if isinstance(output, Tensor) else [v for v in output if isinstance(v, Tensor)]
+
+
+def output_form(output: Any) -> tuple:
+    """How ``block_forward``'s flat tensors regroup into what the block returned: a tensor,
+    or a tuple or list of tensors and constants."""
+    if isinstance(output, Tensor):
+        return ("tensor",)
+    if type(output) in (tuple, list) and not any(isinstance(v, (tuple, list, dict)) for v in output):
+        return (type(output).__name__, tuple(() if isinstance(v, Tensor) else (v,) for v in output))
+    raise CompileUsageError(
+        f"a repeated block returned {type(output).__name__}; mfsdp compiles a block's body on "
+        "its own when it returns a tensor, or a tuple or list of tensors and constants. "
+        "Compile with options={'regional': False} to trace such blocks inline."
+    )

@@ -1,0 +1,244 @@
+"""A block call run for real: the body's frame under autograd with the gathered weights as
+slots, its graph kept from the forward to the backward, its outputs unaliased from its
+inputs, and the generators' states a checkpointed call replays (NOTE: one op per block call,
+in block_call.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
+from fsdp_compile.bucket_copies import pack_for_reduce_scatter, split_gathered
+from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
+
+
+def generator_states(device: torch.device) -> list[Tensor]:
+    """The states ``torch.utils.checkpoint`` keeps for a region on ``device``: the CPU
+    generator's, then the device's own where it is an accelerator."""
+    states = [torch.get_rng_state()]
+    if device.type not in ("cpu", "meta"):
+        states.append(torch.get_device_module(device.type).get_rng_state(device))
+    return states
+
+
+def _set_generator_states(states: list[Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.get_device_module(device.type).set_rng_state(states[1], device)
+
+
+@contextlib.contextmanager
+def generators_at(state: Tensor, device: torch.device) -> Iterator[None]:
+    """The generators at ``state`` (read by ``rng_state``) inside, back where they were after."""
+    current = generator_states(device)
+    _set_generator_states(list(state.split([s.numel() for s in current])), device)
+    try:
+        yield
+    finally:
+        _set_generator_states(current, device)
+
+
+_PENDING: dict[int, tuple] = {}
+"""A forward's autograd graph, by its token's address, until its backward takes it."""
+_SWEEP_AT = [64]
+
+
+def _keep(token: Tensor, entry: tuple) -> None:
+    if len(_PENDING) >= _SWEEP_AT[0]:
+        for address in [a for a, (ref, *_) in _PENDING.items() if ref.expired()]:
+            del _PENDING[address]
+        _SWEEP_AT[0] = max(64, 2 * len(_PENDING))
+    _PENDING[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), *entry)
+
+
+@contextlib.contextmanager
+def autograd_inside() -> Iterator[None]:
+    """Autograd recorded inside a custom op's kernel: the dispatcher runs kernels below the
+    autograd keys, which it excludes for the call; the body's frame needs them back."""
+    keys = [
+        k for k in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+        if torch._C._dispatch_tls_is_dispatch_key_excluded(k)
+    ]
+    for key in keys:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        for key in keys:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, True)
+
+
+def _slot(weight: Tensor) -> Tensor:
+    """A leaf of its own over ``weight``'s storage (see NOTE: one op per block call)."""
+    slot = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    slot.data = weight
+    slot._mfsdp_gathered = True  # the body's plan: a gathered weight (fsdp_compile/planner.py)
+    return slot.requires_grad_(weight.is_floating_point())
+
+
+def _release(slots: list[Tensor]) -> None:
+    for slot in slots:
+        slot.data = torch.empty(0, dtype=slot.dtype, device=slot.device)
+
+
+def _flat_outputs(call: BlockCall, output: Any, side: tuple[tuple, list[Tensor]], inputs: list[Tensor]) -> list[Tensor]:
+    """The body's tensor outputs, then its side values' (``side``: their form and tensors),
+    as the step's graph was traced to take them: same shapes and same constants beside them
+    (an error otherwise) and, copied where the compiled body chose others, same strides.
+    Copied too where one shares storage with the call's ``inputs`` or an earlier output (a
+    block that passes a tensor through, or returns two chunks of one): see ``_unaliased``."""
+    side_form, side_tensors = side
+    if side_form != call.traced["side"]:
+        raise RuntimeError(
+            f"a {type(call.block()).__name__} layer's hooks or cache writes inside the block "
+            f"gave {side_form} where its compiled step was traced with {call.traced['side']}: "
+            "this layer differs from the one its body was traced for. Compile with "
+            "options={'regional': False}."
+        )
+    if output_form(output) != call.traced["form"]:
+        # The step's graph holds the constants the block returned while it was traced, and
+        # its guards do not see what they came from (the body's own frame does).
+        raise RuntimeError(
+            f"a {type(call.block()).__name__} layer returned {output_form(output)[1:]} beside its "
+            f"tensors where its compiled step was traced with {call.traced['form'][1:]}: the "
+            "step keeps the constants a block returns. Return such a value as a tensor, or "
+            "compile with options={'regional': False} (then Dynamo guards on it)."
+        )
+    flat = [*tensors_of(output), *side_tensors]
+    expected = call.traced["outputs"]
+    got = [tensor_metadata(t) for t in flat]
+    if len(got) != len(expected) or any(
+        g[2:] != e[2:] or len(g[0]) != len(e[0]) or not all(_agrees(a, b) for a, b in zip(e[0], g[0]))
+        for g, e in zip(got, expected)
+    ):
+        raise RuntimeError(
+            f"a {type(call.block()).__name__} layer returned {got} where its compiled step "
+            f"expects {expected}: this layer differs from the one its body was traced for in "
+            "something its outputs depend on. Compile with options={'regional': False}."
+        )
+    strides = [stride for _, stride, *_ in expected]
+    strided = [_strided_as(t, stride) for t, stride in zip(flat, strides)]
+    return _unaliased(strided, inputs, lambda i, t: _copy_strided(t, strides[i]))
+
+
+def _agrees(traced: Any, real: int) -> bool:
+    return isinstance(traced, torch.SymInt) or traced == real
+
+
+def _strided_as(tensor: Tensor, stride: tuple) -> Tensor:
+    if any(isinstance(s, torch.SymInt) for s in stride) or tensor.stride() == stride or tensor.numel() <= 1:
+        return tensor
+    return _copy_strided(tensor, stride)
+
+
+def _copy_strided(tensor: Tensor, stride: tuple) -> Tensor:
+    if any(isinstance(s, torch.SymInt) for s in stride):
+        return tensor.clone()
+    return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
+def _unaliased(results: list[Tensor], arguments: list[Tensor], copy: Callable[[int, Tensor], Tensor]) -> list[Tensor]:
+    """``results``, each that shares storage with one of ``arguments`` or with an earlier
+    result replaced by ``copy(index, result)``. A custom op's results may not alias its
+    arguments or each other (torch checks it at every call, Inductor plans buffers on it),
+    and a body's may: a block that passes a tensor through or returns two chunks of one, a
+    gradient autograd hands back as it came (the tensor a block passed through, or both
+    terms of a sum)."""
+    taken = {_storage(t) for t in arguments}
+    fresh = []
+    for index, result in enumerate(results):
+        fresh.append(copy(index, result) if _storage(result) in taken else result)
+        taken.add(_storage(fresh[-1]))
+    return fresh
+
+
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def body_weights(call: BlockCall, weights: list[Tensor]) -> list[Tensor]:
+    """What the body takes for the gathered ``weights``: each flat's members copied out, then
+    the weights on their own (NOTE: a flat's copies in the block call)."""
+    members = [m for weight, flat in zip(weights, call.flats) for m in split_gathered(weight, *flat.unpack)]
+    return [*members, *weights[len(call.flats) :]]
+
+
+def packed_grads(call: BlockCall, weights: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    """The gathered ``weights``' gradients from ``block_backward``'s: each flat's members'
+    packed (NOTE: a flat's copies in the block call), then those of the weights on their own."""
+    packed, at = [], 0
+    for weight, flat in zip(weights, call.flats):
+        members = grads[at : at + flat.members]
+        packed.append(pack_for_reduce_scatter(members, flat.unpack[0]).view(weight.shape))
+        at += flat.members
+    return [*packed, *grads[at : at + len(weights) - len(call.flats)]]
+
+
+def token_like(tensors: list[Tensor]) -> Tensor:
+    return torch.empty(1, dtype=torch.uint8, device=tensors[0].device)
+
+
+def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
+    if "outputs" not in call.traced:
+        # Dynamo ran the call instead of tracing it: its fake run failed, and Dynamo broke the
+        # graph there (a data-dependent op in the block, say), swallowing the reason.
+        raise CompileUsageError(
+            f"a repeated {type(call.block()).__name__}'s body could not be run on fake tensors "
+            "while the step was traced (TORCH_LOGS=graph_breaks shows why; a data-dependent "
+            "op, such as a loop over the experts a router picked, is one cause), so it cannot "
+            "be compiled on its own. Compile with options={'regional': False}."
+        )
+    frame = call.backend().frame(call.name, call.body)
+    block = call.block()
+    token = token_like([*weights, *tensors])
+    side, stand_ins = SideChannel(), stand_ins_of(call.constants)
+    if not call.train:
+        with torch.no_grad():
+            output = frame(
+                block, call.layout, call.recipe, side, *body_weights(call, weights), *call.leaves(tensors, stand_ins)
+            )
+        outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
+        return [*(t.detach() for t in outputs), token]
+    slots = [_slot(w) for w in body_weights(call, weights)]
+    inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
+    with autograd_inside():
+        output = frame(block, call.layout, call.recipe, side, *slots, *call.leaves(inputs, stand_ins))
+        outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
+    _release(slots)
+    _keep(token, (outputs, slots, inputs))
+    return [*(t.detach() for t in outputs), token]
+
+
+def run_backward(
+    call: BlockCall, token: Tensor, weights: list[Tensor], tensors: list[Tensor], grads: list[Tensor | None]
+) -> list[Tensor]:
+    # backward(retain_graph=True) differentiates the step again later: the body's autograd
+    # graph stays for it, as the step's does.
+    retained = torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
+    _, outputs, slots, inputs = _PENDING[token.data_ptr()] if retained else _PENDING.pop(token.data_ptr())
+    for slot, weight in zip(slots, body_weights(call, weights)):
+        slot.data = weight
+    leaves = [*slots, *inputs]
+    differentiable = [leaf for leaf in leaves if leaf.requires_grad]
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    computed = [None] * len(differentiable)
+    if pairs:
+        with autograd_inside():
+            computed = torch.autograd.grad(
+                [o for o, _ in pairs], differentiable, [g for _, g in pairs], allow_unused=True, retain_graph=retained
+            )
+    by_leaf = {id(leaf): grad for leaf, grad in zip(differentiable, computed)}
+    found = [by_leaf.get(id(leaf)) for leaf in leaves]
+    # Zeros where none flows, shaped as the leaf (a slot's shape goes with its storage).
+    found = [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(found, leaves)]
+    arguments = [token, *weights, *tensors, *(g for g in grads if g is not None)]
+    results = _unaliased(found, arguments, lambda i, g: torch.empty_like(leaves[i]).copy_(g))
+    _release(slots)
+    return results

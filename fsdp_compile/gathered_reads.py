@@ -1,0 +1,187 @@
+"""Reading a sharded attribute returns the parameter gathered: the class swap, the getter, the
+``unshard`` marker's call, and the gradient-accumulation state the marker takes.
+
+``fully_shard`` swaps a module's class for a generated subclass whose property for each sharded
+name returns ``unshard(param.to_local())`` (see NOTE: why markers, in docs/design.md); a repeated
+block's body (regions.py) calls the same marker for the weights it gathers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_compile.errors import UsageError
+from fsdp_compile.float8 import float8_weight
+from fsdp_compile.records import ShardInfo, gathered_params, shard_info
+
+
+__all__ = ["set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "gather"]
+
+
+# Gradient accumulation state, by param_id (a tied parameter read through two modules has one
+# entry). While sync is off a parameter has an accumulator: a full-shape leaf whose ``.grad``
+# autograd sums the unreduced gradients into. Turning sync back on moves that sum to
+# ``_pending``; the next read hands it to the marker, whose backward adds it before the one
+# reduction. Module-level dicts, so Dynamo guards on them and recompiles when they change.
+_accumulators: dict[int, torch.Tensor] = {}
+_pending: dict[int, torch.Tensor] = {}
+
+
+def marker_args(info: ShardInfo, stored_dtype: torch.dtype) -> tuple:
+    """The ``unshard`` marker's constant arguments for a parameter (its ``ShardInfo``, its
+    storage dtype), after the shard and the accumulation state."""
+    return (
+        info.param_id,
+        info.global_shape[0],
+        info.group_name,
+        info.replicate_group_name,
+        info.strategy,
+        # A float8 weight is cast from its stored dtype, as torchao casts the master.
+        info.param_dtype if info.float8 is None else stored_dtype,
+        info.reduce_dtype,
+        info.grad_divisor,
+    )
+
+
+def unshard_marker(local: torch.Tensor, constants: tuple) -> torch.Tensor:
+    """The ``unshard`` marker on a parameter's local shard: a real collective when run eagerly,
+    one graph node when traced. ``constants``: ``marker_args(info, param.dtype)``, whose first
+    field is the parameter's id."""
+    param_id = constants[0]
+    # Read the accumulation state only when there is some: a read of a global dict is a
+    # guard, and a pop a side effect Dynamo records, for every parameter of every layer.
+    # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
+    # every parameter of every layer (3% of Dynamo's time on a 32-layer HF Llama, profiled).
+    return torch.ops.fsdp_compile.unshard.default(
+        local,
+        _accumulators.get(param_id) if _accumulators else None,
+        _pending.pop(param_id, None) if _pending else None,
+        *constants,
+    )
+
+
+def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
+    """``param`` (its sharding record ``info``) gathered for use: the ``unshard`` marker, then,
+    for a float8 weight, its float8 wrapper."""
+    try:
+        gathered = unshard_marker(param.to_local(), marker_args(info, param.dtype))
+        return gathered if info.float8 is None else float8_weight(gathered, info.float8, info.param_dtype)
+    except AttributeError as error:
+        # An AttributeError escaping a property makes Python fall back to
+        # nn.Module.__getattr__, which would silently hand the *shard* to the caller.
+        raise RuntimeError(f"gathering parameter {info.fqn} failed: {error}") from error
+
+
+def _gathered(self: nn.Module, name: str) -> torch.Tensor:
+    """What reading a sharded attribute returns: the gathered parameter.
+
+    A plain tensor (not an ``nn.Parameter``) in ``_parameters`` is returned as it is: a
+    repeated block's body finds there the weights its wrapper gathered (see NOTE: one body
+    per repeated block, in fsdp_compile/regions.py), and ``torch.func.functional_call`` its
+    substitutes.
+    """
+    param = self._parameters[name]
+    if not isinstance(param, nn.Parameter) and isinstance(param, torch.Tensor):
+        return param
+    info = shard_info(param)
+    # isinstance and shape only: Dynamo traces this getter, and both are cheap guards for it.
+    if info is None or not isinstance(param, DTensor) or tuple(param.shape) != info.dtensor_shape:
+        raise UsageError(
+            f"{type(self).__name__}.{name} was replaced after fully_shard (now "
+            f"{type(param).__name__} of shape {tuple(param.shape)}); sharding happens once. "
+            "Change the model before calling fully_shard, or copy new values into the shard "
+            "(param.to_local().copy_(...))."
+        )
+    return gather(param, info)
+
+
+# Inside a compiled frame Dynamo inlines the getter, and the marker's sizes are constants of
+# that graph. Called from eager code (a frame Dynamo fell back on), the getter must run eagerly
+# too: compiled as a frame of its own, its int arguments would turn symbolic after the second
+# parameter and the marker would lose its static sizes.
+torch._dynamo.eval_frame.skip_code(_gathered.__code__)
+torch._dynamo.eval_frame.skip_code(gather.__code__)
+torch._dynamo.eval_frame.skip_code(unshard_marker.__code__)
+
+
+def _reattach_shard_info(self: nn.Module, fn, recurse: bool = True):
+    """``nn.Module._apply`` (``to_empty``, ``.to``, ``.cuda``, ``.float``) may wrap converted
+    tensors in new Parameter objects; give them back their sharding record."""
+    records = {name: shard_info(p) for name, p in self._parameters.items() if shard_info(p) is not None}
+    result = self._mfsdp_base._apply(self, fn, recurse)
+    for name, info in records.items():
+        param = self._parameters[name]
+        if param is not None and shard_info(param) is None:
+            param._mfsdp = info
+    return result
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction off for the micro-batches before the last, and back on for it.
+
+    With sync off, backward runs no collective: each parameter's full, unreduced gradient is
+    summed locally (in ``reduce_dtype``; this costs one full-size gradient per parameter, as in
+    FSDP2). Turning sync on again makes the next forward/backward reduce that sum together with
+    its own gradient, once. Applies to every sharded parameter under ``module``; also a method
+    of modules ``fully_shard`` returned (``model.set_requires_gradient_sync(False)``).
+    """
+    if not isinstance(requires_gradient_sync, bool):
+        raise UsageError(
+            f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}."
+        )
+    for param in gathered_params(module):
+        info = shard_info(param)
+        if info is None or not param.requires_grad:
+            continue
+        if not requires_gradient_sync:
+            if info.param_id not in _accumulators:
+                _accumulators[info.param_id] = _accumulator(param, info)
+            continue
+        accumulator = _accumulators.pop(info.param_id, None)
+        if accumulator is not None and accumulator.grad is not None:
+            _pending[info.param_id] = accumulator.grad
+
+
+def _accumulator(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    # A full-shape leaf over one element of storage: only its .grad (full size) costs memory.
+    one = torch.zeros((), dtype=info.reduce_dtype, device=param.device)
+    return one.expand(info.global_shape).requires_grad_(True)
+
+
+def _set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) -> None:
+    set_requires_gradient_sync(self, requires_gradient_sync)
+
+
+_set_requires_gradient_sync.__doc__ = set_requires_gradient_sync.__doc__
+
+
+# One generated class per (base class, sharded names): the properties read each instance's own
+# parameters, so every block of a repeated class shares its classes, which lets a compiled
+# body serve them all (see fsdp_compile/regions.py). Classes only: no instance state here.
+_SHARDED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
+
+
+def install_properties(module: nn.Module, names: set[str]) -> None:
+    """Swap ``module``'s class for a subclass whose attributes ``names`` read parameters
+    gathered."""
+    cls = module.__class__
+    base = getattr(cls, "_mfsdp_base", cls)
+    names = frozenset(getattr(cls, "_mfsdp_names", frozenset()) | names)
+    if (base, names) not in _SHARDED_CLASSES:
+        namespace = {
+            **{name: property(functools.partial(_gathered, name=name)) for name in names},
+            "_mfsdp_base": base,
+            "_mfsdp_names": names,
+            "_apply": _reattach_shard_info,
+            "set_requires_gradient_sync": _set_requires_gradient_sync,
+            # Printed as the user's class: libraries key registries on str(cls) (HF's output
+            # recorders), and the class is the user's but for the getters.
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+        }
+        _SHARDED_CLASSES[base, names] = type(f"Sharded{base.__name__}", (base,), namespace)
+    module.__class__ = _SHARDED_CLASSES[base, names]

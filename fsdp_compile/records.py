@@ -1,0 +1,180 @@
+"""The records ``fully_shard`` leaves for the compiler: a parameter's ``ShardInfo`` (on the
+parameter object, ``param._mfsdp``), the ``MixedPrecision`` policy, and the queries on them.
+
+The bottom of the package: everything that reads what ``fully_shard`` decided imports this,
+and this imports nothing of the package's but its errors, the strategies and float8's record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fsdp_compile.errors import UsageError
+from fsdp_compile.float8 import Float8Gather
+from fsdp_compile.ops import Strategy
+
+
+__all__ = ["MixedPrecision", "ShardInfo", "shard_info", "is_fully_sharded", "gathered_params", "repeated_block"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    """Compute and communication dtypes (FSDP2's ``MixedPrecisionPolicy``, same names).
+
+    The stored parameters, the optimizer's view and ``.grad`` keep the parameters' own dtype
+    (fp32 main weights). Shards are cast to ``param_dtype`` before the all-gather (the wire
+    carries ``param_dtype``), and gradients are reduced in ``reduce_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    """Dtype of gathered parameters and of the compute; None keeps the stored dtype."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype of the gradient reduce-scatter; None means ``param_dtype`` (as FSDP2)."""
+    allow_lower_precision_reduce: bool = False
+    """Opt in to ``reduce_dtype`` narrower than ``param_dtype`` (gradients lose precision)."""
+
+    def __post_init__(self) -> None:
+        for field_name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, field_name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise UsageError(
+                    f"MixedPrecision.{field_name} must be a floating torch.dtype such as "
+                    f"torch.bfloat16, got {dtype!r}."
+                )
+            # float8 (any variant) and float4: no collective reduces them and no matmul
+            # computes in them; torchao's float8 linears gather float8 weights themselves.
+            if dtype is not None and dtype.itemsize < 2:
+                raise UsageError(
+                    f"MixedPrecision.{field_name}={dtype} is narrower than 16 bits: gathers, "
+                    "gradient reductions and the compute cannot run in it. Float8 training "
+                    "goes through torchao: convert_to_float8_training(model, config="
+                    "Float8LinearConfig(enable_fsdp_float8_all_gather=True)) before fully_shard "
+                    "gathers the converted weights in float8 (docs/user_guide.md, \"Float8 "
+                    f"training\"); {field_name} must be a float of 16 bits or more, such as "
+                    "torch.bfloat16."
+                )
+        narrower = (
+            self.param_dtype is not None
+            and self.reduce_dtype is not None
+            and torch.finfo(self.reduce_dtype).bits < torch.finfo(self.param_dtype).bits
+        )
+        if narrower and not self.allow_lower_precision_reduce:
+            raise UsageError(
+                f"reduce_dtype={self.reduce_dtype} is narrower than param_dtype="
+                f"{self.param_dtype}: gradients would be summed in less precision than the "
+                "compute. Use reduce_dtype=torch.float32, or pass "
+                "allow_lower_precision_reduce=True if that is intended."
+            )
+
+    def resolve(self, stored: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(param_dtype, reduce_dtype) for a parameter stored as ``stored``."""
+        param_dtype = self.param_dtype or stored
+        return param_dtype, self.reduce_dtype or param_dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInfo:
+    """What ``fully_shard`` decided for one parameter; read by the backend's planner."""
+
+    param_id: int
+    """Stable key the markers carry: creation order, identical on ranks that shard alike."""
+    fqn: str
+    """First name the parameter was found under, relative to the module ``fully_shard`` got."""
+    unit: str
+    """The ``fully_shard`` call that owns it, by that module's class and call number
+    (``Block#3``; a bucketing hint)."""
+    global_shape: tuple[int, ...]
+    """Shape a read returns: the unsharded parameter, or for stacked expert-parallel weights
+    only this EP rank's experts."""
+    dtensor_shape: tuple[int, ...]
+    """Shape of the stored DTensor (``global_shape`` but for stacked experts: all of them)."""
+    strategy: Strategy
+    """What stays sharded between uses (see ``fully_shard``)."""
+    group_name: str
+    """Process group the parameter is sharded over (the mesh's shard dimension); for
+    ``no_shard`` the group its gradient is all-reduced over."""
+    world: int
+    """Ranks in that group."""
+    replicate_group_name: str
+    """HSDP: the group across replicas (the mesh's first dimension); "" without one."""
+    replicate_world: int
+    """Ranks in the replicate group (1 without one)."""
+    grad_divisor: int
+    """Ranks the gradient is averaged over: the mesh's size, or for expert-parallel parameters
+    the whole data-parallel world (see NOTE: expert gradient scale, in expert_parallel.py)."""
+    reshard_after_forward: bool
+    """Free the gathered parameter after forward and gather again in backward (see NOTE: the
+    reshard default)."""
+    param_dtype: torch.dtype
+    """Dtype on the wire and in the compute."""
+    reduce_dtype: torch.dtype
+    """Dtype of the gradient reduction."""
+    float8: Float8Gather | None = None
+    """A float8 linear's weight (torchao, ``enable_fsdp_float8_all_gather=True``): gathered
+    in float8 and read as a ``Float8TrainingTensor`` computing in ``param_dtype`` (see NOTE:
+    float8 gathers, in fsdp_compile/float8.py); None for every other parameter."""
+    members: tuple[str, ...] = ()
+    """A flat parameter's members (NOTE: flat parameters, in fsdp_compile/flat_params.py), by
+    their names relative to the module ``fully_shard`` got; empty for every other parameter."""
+    ep_group_outside_mesh: str = ""
+    """An expert of an ``nn.ModuleList`` under expert parallelism: the EP group whose other
+    ranks hold the layer's other experts. Its DTensor lives on the ``edp`` mesh, which does not
+    show them, so a norm over all parameters must also sum over this group
+    (``fsdp_compile.clip_grad_norm_``). "" for every other parameter."""
+
+    def alike(self) -> ShardInfo:
+        """This record less what names one parameter (its id, path and shapes): equal for
+        parameters sharded alike in every other respect."""
+        return dataclasses.replace(self, param_id=0, fqn="", global_shape=(), dtensor_shape=())
+
+
+# The first "<name>.<index>." of a dotted path: a ModuleList / Sequential child, i.e. one block.
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+def repeated_block(fqn: str) -> str:
+    """The repeated block a dotted parameter path lies in (``layers.3`` of
+    ``layers.3.attn.wqkv.weight``): its first ``ModuleList`` / ``Sequential`` child; "" for a
+    parameter outside every block (an embedding, a final norm)."""
+    match = _BLOCK.match(fqn)
+    return match.group(1) if match else ""
+
+
+def shard_info(param: object) -> ShardInfo | None:
+    """The sharding record of a parameter ``fully_shard`` manages, else None."""
+    return getattr(param, "_mfsdp", None)
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    return getattr(module, "_mfsdp_unit", None) is not None
+
+
+def gathered_params(module: nn.Module) -> list[nn.Parameter]:
+    """The sharded tensors a step gathers for ``module``, each once: its parameters, except
+    that the members of a flat parameter (NOTE: flat parameters, in flat_params.py) are
+    gathered, and their gradients reduced, as that flat."""
+    return list(dict.fromkeys(getattr(p, "_mfsdp_flat", p) for p in module.parameters()))
+
+
+# Markers carry this key so each joint-graph node names its parameter without guessing from
+# graph positions; every rank must shard the same modules in the same order (as with FSDP2).
+# Counters, not object ids or addresses: a fresh process that builds the model the same way
+# (every rank, every restart) names every parameter and unit alike, so plans and the compile
+# cache keys made from them agree across ranks and restarts.
+_param_ids = itertools.count()
+_unit_ids = itertools.count()
+
+
+def next_param_id() -> int:
+    """The next ``param_id`` (see ``_param_ids``), for a flat parameter a region makes."""
+    return next(_param_ids)
+
+
+def unit_name(module: nn.Module) -> str:
+    return f"{type(module).__name__}#{next(_unit_ids)}"

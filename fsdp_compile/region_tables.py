@@ -1,0 +1,176 @@
+"""The constants a repeated block's traced forward reads (NOTE: one body per repeated block, in
+regions.py): each through a function Dynamo runs rather than traces
+(``assume_constant_result``), which looks the block up by key and returns what its wrapper
+gathers, how its body regroups its leaves, and which layers share its body. Each table is
+append-only and named by key, a constant of the graph."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fsdp_compile.block_record import call_record
+from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.flat_params import check_linked
+from fsdp_compile.gathered_reads import marker_args
+from fsdp_compile.records import shard_info
+from fsdp_compile.side_outputs import hooked_modules, layer_indices
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """What a repeated block's wrapper gathers, and in which order its body takes it."""
+
+    owners: tuple[tuple[str, tuple[str, ...]], ...]
+    """(submodule path relative to the block, its parameter names), per owning submodule: the
+    body's weights in this order, one per name (a parameter tied within the block has two)."""
+    flats: tuple[tuple[str, ...], ...]
+    """Each flat parameter's members (NOTE: flat parameters), as paths relative to the block."""
+    alone: tuple[str, ...]
+    """Parameters gathered on their own, as paths relative to the block."""
+    slots: tuple[int, ...]
+    """For each of the body's weights, its index among the gathered values: every flat's
+    members in order, then the parameters on their own."""
+
+    def paths(self) -> tuple[str, ...]:
+        """The gathered values' parameter paths, in the order ``slots`` indexes."""
+        return tuple(p for members in self.flats for p in members) + self.alone
+
+
+@torch._dynamo.assume_constant_result
+def gather_recipe(block_key: int) -> tuple:
+    """What the wrapper of the block ``block_key`` gathers, as constants (run, not traced, by
+    Dynamo): the markers' arguments of its flat parameters, then of the parameters on their
+    own, and the key of its recipe (``RECIPES``). Refuses a block whose parameters were
+    replaced since ``fully_shard``: its wrapper would gather the old ones."""
+    block = BLOCKS[block_key]
+    _check_params(block)
+    return (
+        tuple(marker_args(shard_info(f), f.dtype) for f in block._mfsdp_region_flats.values()),
+        tuple(marker_args(shard_info(p), p.dtype) for p in block._mfsdp_region_params.values()),
+        _recipe_key(block),
+    )
+
+
+# How gathered values become a block's parameters: per flat, ``split_gathered``'s arguments and
+# the rows each member keeps; the body's weights as indices into the members and the parameters
+# on their own; the owners those weights go to. The same for every block of one structure and
+# sharding, so a body's frame sees one value. Append-only; read by key (``_key_in``).
+RECIPES: list[tuple] = []
+
+
+def _recipe_key(block: nn.Module) -> str:
+    layout: RegionLayout = block._mfsdp_region
+    flats = block._mfsdp_region_flats.values()
+    recipe = (
+        tuple((f._mfsdp_layout.unpack_args(shard_info(f).param_dtype), f._mfsdp_layout.trims()) for f in flats),
+        layout.slots,
+        tuple((tuple(path.split(".")) if path else (), names) for path, names in layout.owners),
+        hooked_modules(block),
+    )
+    return _key_in(RECIPES, recipe)
+
+
+def _key_in(table: list, value: object) -> str:
+    """``value``'s key in the append-only ``table`` (its index, as a string), appended if new:
+    what Dynamo sees as a constant in place of the value. A string, since a body's frame
+    takes it as an argument: Dynamo may make an int argument symbolic (a step compiled with
+    ``dynamic=True``, an int that changed between calls), and the body could then not read
+    its table without a graph break (torch 2.13) or an internal error (2.11); it never makes
+    a string symbolic."""
+    if value not in table:
+        table.append(value)
+    return str(table.index(value))
+
+
+@torch._dynamo.assume_constant_result
+def recipe_of(recipe: str) -> tuple:
+    return RECIPES[int(recipe)]
+
+
+def _check_params(block: nn.Module) -> None:
+    layout: RegionLayout = block._mfsdp_region
+    current = [param_at(block, path) for path in layout.paths()]
+    recorded = [m.param for f in block._mfsdp_region_flats.values() for m in f._mfsdp_members]
+    recorded += list(block._mfsdp_region_params.values())
+    for path, now, then in zip(layout.paths(), current, recorded):
+        if now is not then:
+            raise CompileUsageError(
+                f"{type(block).__name__}.{path} was replaced after fully_shard (now "
+                f"{type(now).__name__} of shape {tuple(now.shape)}); sharding happens once. "
+                "Change the model before calling fully_shard, or copy new values into the shard "
+                "(param.to_local().copy_(...))."
+            )
+    for flat in block._mfsdp_region_flats.values():
+        check_linked(flat)
+
+
+def param_at(block: nn.Module, path: str) -> nn.Parameter:
+    owner, _, name = path.rpartition(".")
+    return block.get_submodule(owner)._parameters[name]
+
+
+NOT_OPENED = -1
+
+
+# How a body call's flat leaves regroup: (positional count, keyword names, widths), the
+# first width the gathered weights'. Append-only; a call names its entry by key
+# (``_key_in``), a constant.
+_CALL_LAYOUTS: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
+
+
+@torch._dynamo.assume_constant_result
+def opened_at(opened: tuple[bool, ...]) -> tuple[int, ...]:
+    """The positions of the arguments that are tuples, last first (run, not traced, by
+    Dynamo)."""
+    return tuple(at for at in range(len(opened) - 1, -1, -1) if opened[at])
+
+
+@torch._dynamo.assume_constant_result
+def call_layout(
+    n_args: int, names: tuple[str, ...], n_gathered: int, opened: tuple[bool, ...], sizes: tuple[int, ...],
+    is_tensor: tuple[bool, ...],
+) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """The key of this call's layout in ``_CALL_LAYOUTS``, then the positions of its tensor
+    leaves and of its constant ones (run, not traced, by Dynamo). ``sizes``: the lengths of
+    the tuples ``opened`` marks, last first."""
+    size = iter(reversed(sizes))
+    widths = (n_gathered, *(next(size) if o else NOT_OPENED for o in opened))
+    return (
+        _key_in(_CALL_LAYOUTS, (n_args, names, widths)),
+        tuple(at for at, t in enumerate(is_tensor) if t),
+        tuple(at for at, t in enumerate(is_tensor) if not t),
+    )
+
+
+@torch._dynamo.assume_constant_result
+def call_layout_of(layout: str) -> tuple[int, tuple[str, ...], tuple[int, ...]]:
+    # Run, not traced: a list Dynamo read while tracing would be guarded on, and a layout
+    # added later would fail those guards.
+    return _CALL_LAYOUTS[int(layout)]
+
+
+# The region blocks by key, for the functions Dynamo runs rather than traces (they take
+# constants only).
+BLOCKS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+
+
+# Keys, not id(block): id() of a module in the traced wrapper is an ID_MATCH guard on it.
+BLOCK_KEYS = itertools.count()
+
+
+@torch._dynamo.assume_constant_result
+def layers_of(block_key: int) -> tuple[int, ...]:
+    return layer_indices(BLOCKS[block_key])
+
+
+@torch._dynamo.assume_constant_result
+def call_output_form(call: int) -> tuple:
+    """How the call's outputs regroup, how many are the block's, and the form of the side
+    values after them (known once ``block_forward``'s fake kernel ran)."""
+    traced = call_record(call).traced
+    return traced["form"], traced["own"], traced["side"]

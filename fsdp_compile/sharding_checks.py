@@ -1,0 +1,189 @@
+"""Every precondition of ``fully_shard``, checked on every rank before any collective, so a
+mistake stops every rank with one ``UsageError`` that names the fix and no rank waits."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fsdp_compile.errors import UsageError
+from fsdp_compile.ops import STRATEGIES
+from fsdp_compile.records import ShardInfo, is_fully_sharded, shard_info
+
+
+def _class_name(module: nn.Module) -> str:
+    """The name of the class ``module`` was built as, not of the subclass fully_shard gave it."""
+    return getattr(type(module), "_mfsdp_base", type(module)).__name__
+
+
+def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
+    """Every precondition, checked before any collective so no rank is left waiting."""
+    if not isinstance(module, nn.Module):
+        raise UsageError(f"fully_shard expects an nn.Module, got {type(module).__name__}.")
+    if is_fully_sharded(module):
+        raise UsageError(
+            f"fully_shard was already called on this {type(module).__name__}; call it once per "
+            "module (submodules first, then the root)."
+        )
+    owned = _sharded_by_an_enclosing_call(module)
+    if owned is not None:
+        name, info = owned
+        raise UsageError(
+            f"fully_shard on this {_class_name(module)} comes after fully_shard on a module "
+            f"enclosing it, which already sharded its parameter {name!r} (unit {info.unit}) "
+            "and stays its owner. Call fully_shard on submodules first, then on the root (the "
+            "order FSDP2 takes too)."
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise UsageError(
+            f"mesh must be a DeviceMesh (torch.distributed.device_mesh.init_device_mesh), got "
+            f"{type(mesh).__name__}."
+        )
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise UsageError(
+            f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard) for HSDP, "
+            f"got a {mesh.ndim}-D mesh {mesh}."
+        )
+    if mesh is not None:
+        _check_mesh_holds_every_rank(mesh)
+    devices = {p.device for p in module.parameters() if not isinstance(p, DTensor)}
+    if len(devices) > 1:
+        raise UsageError(
+            "fully_shard found parameters on several devices "
+            f"({', '.join(sorted(map(str, devices)))}); move the module to one device first, "
+            "e.g. module.to('cuda')."
+        )
+    for name, param in module.named_parameters():
+        if not isinstance(param, DTensor) and not param.is_floating_point():
+            raise UsageError(
+                f"parameter {name!r} has dtype {param.dtype}; only floating-point parameters "
+                "can be sharded. Register it as a buffer (module.register_buffer) instead."
+            )
+        if not isinstance(param, DTensor) and param.ndim == 0:
+            raise UsageError(
+                f"parameter {name!r} is a 0-dim scalar and cannot be sharded on dim 0; give it "
+                "shape [1] instead."
+            )
+
+
+def _check_mesh_holds_every_rank(mesh: DeviceMesh) -> None:
+    """Refuse, on every rank and without communicating, a mesh that leaves ranks of the job out.
+
+    A rank outside the mesh sees it: it has no coordinate in it. A rank inside cannot see which
+    mesh the others were given, so the rule is one each rank checks alone: the mesh holds every
+    rank, itself or as a dimension of a mesh that does (``mesh["dp"]`` of a ``(dp, tp)`` mesh
+    over the world is one mesh per group of ranks, every rank in one of them).
+    ``DeviceMesh("cpu", [0])`` in a two-rank job breaks it on both ranks: rank 1 is outside,
+    and rank 0's mesh was cut from no mesh that holds rank 1.
+    """
+    world = dist.get_world_size()
+    fix = (
+        f"Leave mesh unset (all {world} ranks), or build it over every rank: "
+        f"init_device_mesh({mesh.device_type!r}, ({world},)), or a dimension of such a mesh."
+    )
+    if mesh.get_coordinate() is None:
+        raise UsageError(
+            f"rank {dist.get_rank()} is not in the mesh given to fully_shard (ranks "
+            f"{mesh.mesh.tolist()}); every rank of the job must be. {fix}"
+        )
+    if mesh.size() == world:
+        return
+    root = mesh._get_root_mesh()  # the mesh it was cut from, or itself (no public spelling)
+    if root.size() != world:
+        raise UsageError(
+            f"the mesh given to fully_shard holds ranks {root.mesh.tolist()}, {root.size()} of "
+            f"the job's {world}; the ranks outside it would not train with these. {fix}"
+        )
+
+
+def _sharded_by_an_enclosing_call(module: nn.Module) -> tuple[str, ShardInfo] | None:
+    """A parameter under ``module`` (its name and record) that a ``fully_shard`` call on a
+    module enclosing ``module`` sharded; None if there is none.
+
+    Sharded parameters belong under ``module`` only inside its units, the submodules earlier
+    calls were given (with the expert-parallel and tied parameters those calls sharded). A
+    tie's other end outside them still holds the unsharded original, which forwards to the
+    shard (``_mfsdp_sharded_as``). So one reached through no unit was sharded by a call on a
+    module around ``module``, and ``_managed_params`` would skip it: the call would do nothing.
+    """
+    pending = [("", module, False)]
+    while pending:
+        prefix, submodule, in_unit = pending.pop()
+        in_unit = in_unit or (submodule is not module and is_fully_sharded(submodule))
+        if not in_unit:
+            for name, param in submodule._parameters.items():
+                info = shard_info(param)
+                if info is not None:
+                    return prefix + name, info
+        pending.extend(
+            (f"{prefix}{name}.", child, in_unit) for name, child in submodule._modules.items() if child is not None
+        )
+    return None
+
+
+def check_strategy(
+    strategy: object, reshard_after_forward: object, mesh: DeviceMesh | None
+) -> bool | None:
+    """The strategy's checks; returns ``reshard_after_forward`` for this strategy: False where
+    the strategy keeps gathered parameters, None where NOTE: the reshard default decides."""
+    if strategy not in STRATEGIES:
+        raise UsageError(
+            f"unknown strategy {strategy!r}; fully_shard takes one of {', '.join(STRATEGIES)} "
+            "(default optim_grads_params, ZeRO-3)."
+        )
+    if reshard_after_forward not in (None, True, False):
+        raise UsageError(
+            f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}."
+        )
+    if reshard_after_forward and strategy != "optim_grads_params":
+        raise UsageError(
+            f"strategy={strategy!r} keeps parameters unsharded from forward to backward, so "
+            "reshard_after_forward=True contradicts it; use strategy='optim_grads_params' to "
+            "reshard, or leave reshard_after_forward unset."
+        )
+    if strategy == "no_shard" and mesh is not None and mesh.ndim == 2:
+        raise UsageError(
+            "strategy='no_shard' replicates over the whole mesh; give it a 1-D mesh (a 2-D "
+            "replicate x shard mesh is for the sharded strategies, HSDP)."
+        )
+    return reshard_after_forward if strategy == "optim_grads_params" else False
+
+
+def check_materialised_at_the_outermost_unit(module: nn.Module) -> None:
+    """``_refuse_meta_parameters`` runs before the forward of ``module``, and no longer before
+    those of the units inside it: once a step, from the module it is called on."""
+    for unit_module in module.modules():
+        handle = unit_module.__dict__.pop("_mfsdp_meta_check", None)
+        if handle is not None:
+            handle.remove()
+    module._mfsdp_meta_check = module.register_forward_pre_hook(
+        _refuse_meta_parameters, prepend=True, with_kwargs=True
+    )
+
+
+def _refuse_meta_parameters(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse a forward on real inputs while the parameters are still on the meta device.
+
+    A model built under ``torch.device("meta")`` and sharded is materialised with
+    ``to_empty``; forgotten, its first op fails on two devices (Dynamo's device mismatch when
+    compiled), naming neither the meta device nor the fix. Checked before the forward reads a
+    parameter, so on every rank before any collective. A forward on meta inputs is no mistake:
+    ``fsdp_compile.simulate`` traces such steps. One parameter stands for all: ``to_empty``
+    materialises the whole model.
+    """
+    param = next(module.parameters(), None)
+    if param is None or param.device.type != "meta":
+        return
+    inputs = (*args, *kwargs.values())
+    device = next((v.device for v in inputs if isinstance(v, torch.Tensor) and v.device.type != "meta"), None)
+    if device is not None:
+        raise UsageError(
+            f"the parameters of this {_class_name(module)} are still on the meta device, its "
+            f"inputs on {device}: materialise the model after fully_shard, "
+            f"model.to_empty(device={device.type!r}), then load its weights "
+            "(set_model_state_dict) or initialise the parameters in place (docs/user_guide.md, "
+            "\"meta-device init\")."
+        )
