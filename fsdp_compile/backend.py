@@ -299,28 +299,30 @@ class MfsdpBackend:
         return self._frames[name]
 
 
-# ``backend="mfsdp"`` compiles each graph with a new backend object; the blocks' bodies, compiled
-# later, need one that lasts: one per set of options.
-_SHARED: dict[BackendOptions, MfsdpBackend] = {}
-
-
 def compiling_backend() -> MfsdpBackend | None:
     """The mfsdp backend Dynamo is tracing the current frame for; None when Dynamo is not
-    tracing, or traces for another backend (run, not traced, from a function Dynamo calls)."""
+    tracing, or traces for another backend (run, not traced, from a function Dynamo calls).
+
+    ``backend="mfsdp"`` compiles each graph with a new backend object; the blocks' bodies,
+    compiled later, need one that lasts: one per ``torch.compile`` call, kept on the object
+    that call made to hold the backend and its options (so two models compiled apart never
+    share their bodies' frames, graphs or dumps)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     if torch._guards.TracingContext.try_get() is None:
         return None
-    backend, kwargs = InstructionTranslator.current_tx().output.compiler_fn, {}
+    outermost = backend = InstructionTranslator.current_tx().output.compiler_fn
+    holder = None
     # Dynamo wraps the backend (WrapBackendDebug, then torch.compile's wrapper of a backend
     # and its options).
     while backend is not None and not isinstance(backend, MfsdpBackend):
         if backend is mfsdp_backend:
-            options = BackendOptions.parse(kwargs.get("options"))
-            if options not in _SHARED:
-                _SHARED[options] = MfsdpBackend(**kwargs.get("options") or {})
-            return _SHARED[options]
-        kwargs = getattr(backend, "kwargs", None) or kwargs
+            holder = holder or outermost  # torch._dynamo.optimize("mfsdp"): no options
+            if getattr(holder, "_mfsdp_backend", None) is None:
+                options = (getattr(holder, "kwargs", None) or {}).get("options")
+                holder._mfsdp_backend = MfsdpBackend(**options or {})
+            return holder._mfsdp_backend
+        holder = backend if getattr(backend, "kwargs", None) is not None else holder
         backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
     return backend
 

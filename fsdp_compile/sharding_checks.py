@@ -57,6 +57,15 @@ def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
             "e.g. module.to('cuda')."
         )
     for name, param in module.named_parameters():
+        if isinstance(param, DTensor) and shard_info(param) is None:
+            raise UsageError(
+                f"parameter {name!r} is already a DTensor ({list(param.placements)} on "
+                f"{param.device_mesh}), placed by torch's parallelize_module or "
+                "distribute_tensor: fully_shard does not shard tensor-parallel parameters yet, "
+                "and would leave it replicated over the data-parallel ranks. Leave tensor "
+                "parallelism out (fully_shard alone shards every parameter), or train the "
+                "model with FSDP2 (torch.distributed.fsdp.fully_shard), which composes with it."
+            )
         if not isinstance(param, DTensor) and not param.is_floating_point():
             raise UsageError(
                 f"parameter {name!r} has dtype {param.dtype}; only floating-point parameters "

@@ -63,6 +63,29 @@ def test_six_layers_compile_one_body_once():
 
 
 @pytest.mark.structure
+def test_each_torch_compile_call_by_name_owns_the_backend_of_its_bodies():
+    """``backend="mfsdp"`` makes a backend object per graph; the bodies' frames are compiled
+    by one that lasts, owned by the ``torch.compile`` call: a second model of the same
+    structure and options compiled apart compiles its own body, on a backend of its own (a
+    backend shared by the process would hand it the first model's frame and graphs)."""
+    from fsdp_compile.block_record import _CALLS
+
+    backends = []
+    with fake_process_group(8):
+        for _ in range(2):
+            model = fully_shard(build_model(CFG))
+            tokens, targets = make_batch(CFG, 2, 8, 0)
+            step = torch.compile(model, backend="mfsdp", options={"compiler": "eager"}, dynamic=False)
+            loss_fn(step(tokens), targets).backward()
+            layers = set(model.layers)
+            backends.append({c.backend() for c in _CALLS if c.block() in layers})
+    (first,), (second,) = backends
+    assert first is not second
+    assert len(first.bodies) == len(second.bodies) == 1
+    assert all(len(graphs) == 1 for b in (first, second) for graphs in b.bodies.values())
+
+
+@pytest.mark.structure
 def test_a_step_compiled_with_dynamic_shapes_compiles_each_body_whole():
     """``torch.compile(..., dynamic=True)`` makes a frame's int arguments symbolic, the body's
     too. The body's keys into the call layouts and recipes are strings, which Dynamo keeps
