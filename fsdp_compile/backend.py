@@ -101,6 +101,8 @@ def _keeping_block_buffers(compile_graph: Callable) -> Callable:
     ``compile`` returned."""
 
     def compile_keeping(gm: fx.GraphModule, example_inputs: Sequence[object], **kwargs: Any):
+        if not any(is_block_call(n) for n in gm.graph.nodes):
+            return compile_graph(gm, example_inputs, **kwargs)
         with block_calls_keep_their_buffers():
             return compile_graph(gm, example_inputs, **kwargs)
 

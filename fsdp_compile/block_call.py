@@ -22,15 +22,15 @@ NOTE: one op per block call
 
     - What the step's graph needs of the body while tracing is only its outputs' shapes: the
       op's fake kernel runs the block's Python once per structure and input layout on fake
-      tensors (``_outputs``), and the real call checks its outputs against them.
-    - The gathered weights go into the frame as slots (``_slot``): tensors of their own that
+      tensors (``block_fakes.fake_run``, kept in ``_OUTPUTS`` outside a compile), and the real call checks its outputs against them.
+    - The gathered weights go into the frame as slots (``block_runtime._slot``): tensors of their own that
       share the gathered storage (a flat's, its members copied out: NOTE: a flat's copies in
       the block call). The frame's autograd graph saves the slots it needs (its partitioner
       recomputes every view of them: ``reshard``), so after the forward each slot lets go of
       the storage (``slot.data``), the step frees the gathered weights as planned, and
       ``block_backward`` points the slots at the weights the step gathered again. Resharding
       after forward holds as in a whole-step graph.
-    - The frame's autograd graph waits for its backward in ``_PENDING``, keyed by a token
+    - The frame's autograd graph waits for its backward in ``block_runtime._PENDING``, keyed by a token
       tensor the op returns and the step saves for backward; an entry whose token died
       unused (a checkpointed block recomputed in backward, a forward never differentiated) is
       dropped at a later call.
@@ -186,8 +186,8 @@ BLOCK_BACKWARD = torch.ops.fsdp_compile.block_backward.default
 def block_calls_keep_their_buffers() -> Iterator[None]:
     """While Inductor compiles in here, it lowers ``block_forward`` as it lowers any custom
     op (an extern call, with the op's layout constraint), and never reuses the buffers the
-    call reads or returns. On leaving, the op's lowering is the plain one Inductor makes
-    itself for a custom op it meets.
+    call reads or returns. On leaving, the op's lowering is what it was: none, or the plain
+    one Inductor makes itself for a custom op it meets.
 
     The body's autograd graph keeps tensors of its own call (a Linear's input, a tanh's
     output) until ``block_backward``; Inductor sees none of that, and once the step's graph
@@ -199,8 +199,8 @@ def block_calls_keep_their_buffers() -> Iterator[None]:
     from torch._inductor import graph, lowering
     from torch._inductor.virtualized import V
 
-    extern_call = lowering.lowerings.get(BLOCK_FORWARD)
-    if getattr(extern_call, "_mfsdp_keeps_buffers", False):  # a compile inside this one
+    before = extern_call = lowering.lowerings.get(BLOCK_FORWARD)
+    if getattr(before, "_mfsdp_keeps_buffers", False):  # a compile inside this one
         yield
         return
     if extern_call is None:  # what Inductor registers at its first sight of a custom op
@@ -224,7 +224,10 @@ def block_calls_keep_their_buffers() -> Iterator[None]:
     try:
         yield
     finally:
-        lowering.lowerings[BLOCK_FORWARD] = extern_call
+        if before is None:
+            del lowering.lowerings[BLOCK_FORWARD]
+        else:
+            lowering.lowerings[BLOCK_FORWARD] = before
 
 
 # ---- random numbers: a recompute draws what its forward drew ----------------------------------

@@ -11,8 +11,6 @@ from typing import Any, Callable
 from torch import Tensor
 
 from fsdp_compile.errors import CompileUsageError
-from fsdp_compile.side_outputs import SideChannel
-
 
 __all__ = ["BlockCall", "FlatCopy", "register_call", "call_record"]
 

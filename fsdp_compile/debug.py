@@ -35,6 +35,7 @@ import re
 import sys
 import tempfile
 import types
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -168,9 +169,12 @@ def frame_dumper(root: Path) -> Callable[[Callable], Callable]:
     is over, and at that first call it is the frame that calls the graph. Nothing process-wide
     is installed: two models compiled in one process with different ``debug_dir`` write
     their frames each into their own folder."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._dynamo import symbolic_convert
 
-    original = InstructionTranslator.current_tx().f_code
+    tracing = getattr(symbolic_convert.tls, "current_tx", None)
+    if tracing is None:  # the backend called outside a Dynamo trace: no frame to dump
+        return lambda compiled: compiled
+    original = tracing.f_code
 
     def wrap(compiled: Callable) -> Callable:
         written = False
@@ -179,7 +183,10 @@ def frame_dumper(root: Path) -> Callable[[Callable], Callable]:
             nonlocal written
             if not written:
                 written = True
-                _write_frame(root, original, _rewritten_caller(original))
+                try:
+                    _write_frame(root, original, _rewritten_caller(original))
+                except OSError as error:  # a dump must never stop the step it describes
+                    warnings.warn(f"mfsdp could not write the frame dump under {root}: {error}", stacklevel=2)
             return compiled(*args, **kwargs)
 
         return functools.update_wrapper(run, compiled, assigned=(), updated=("__dict__",))

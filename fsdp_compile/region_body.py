@@ -25,7 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.flat_params import note_graded
 from fsdp_compile.region_tables import NOT_OPENED, call_layout_of, recipe_of
-from fsdp_compile.side_outputs import hook_counts, put_back_hooks, recording_hooks
+from fsdp_compile.side_outputs import SideChannel, hook_counts, put_back_hooks, recording_hooks
 
 
 def _stored_in(block: nn.Module, owners, weights, args, kwargs):

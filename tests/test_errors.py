@@ -129,15 +129,15 @@ def test_importing_changes_nothing_in_torch_and_a_cpu_fully_shard_installs_the_g
 @pytest.mark.structure
 def test_a_compile_leaves_nothing_installed_in_torch(tmp_path):
     """Compiling with dumps and Inductor installs nothing that outlives the compile: no Dynamo
-    bytecode hook (the frames are written at the compiled graph's first call), and the block
-    call's lowering back to the plain one Inductor makes for a custom op, after the step's
+    bytecode hook (the frames are written at the compiled graph's first call, from the code
+    Dynamo rewrote), and the block call's Inductor lowering as it found it, after the step's
     backward, which Inductor compiles at the first backward."""
     from torch._dynamo.convert_frame import _bytecode_hooks
     from torch._inductor import lowering
 
     from fsdp_compile.block_call import BLOCK_FORWARD
 
-    hooks = dict(_bytecode_hooks)
+    hooks, lowered = dict(_bytecode_hooks), lowering.lowerings.get(BLOCK_FORWARD)
     cfg = TransformerConfig(n_layers=2)
     backend = MfsdpBackend(compiler="inductor", debug_dir=str(tmp_path))
     tokens, targets = make_batch(cfg, 2, 8, 0, 0)
@@ -145,8 +145,11 @@ def test_a_compile_leaves_nothing_installed_in_torch(tmp_path):
         step = torch.compile(fully_shard(build_model(cfg)), backend=backend)
         loss_fn(step(tokens), targets).backward()
     assert dict(_bytecode_hooks) == hooks
-    assert not getattr(lowering.lowerings.get(BLOCK_FORWARD), "_mfsdp_keeps_buffers", False)
-    assert list((tmp_path / "rank0" / "frames").glob("forward-*.py")), "no frame dumped"
+    assert not [h for h in _bytecode_hooks.values() if getattr(h, "__module__", "").startswith("fsdp_compile")]
+    assert lowering.lowerings.get(BLOCK_FORWARD) is lowered
+    # The frame dump found the code Dynamo rewrote, which calls the compiled graph.
+    (frame,) = (tmp_path / "rank0" / "frames").glob("forward-*.py")
+    assert "__compiled_fn" in frame.read_text(), frame.read_text()
 
 
 class _RankDependentModel(nn.Module):
