@@ -14,12 +14,14 @@ the real parameters as example inputs, so the backend reads the plan's facts fro
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_compile.compat import gather_cpu_tensors_one_work_each
 from fsdp_compile.errors import UsageError
@@ -32,11 +34,12 @@ from fsdp_compile.expert_parallel import (
 from fsdp_compile.float8 import Float8Gather, float8_gather_of, is_float8_weight, master_weight
 from fsdp_compile.gathered_reads import install_properties
 from fsdp_compile.hf import install_prelude
-from fsdp_compile.ops import GATHERING_STRATEGIES, Strategy
+from fsdp_compile.ops import GATHERING_STRATEGIES, Strategy, padded_rows
 from fsdp_compile.optim_guard import install as install_optimizer_guard
 from fsdp_compile.records import (
     MixedPrecision,
     ShardInfo,
+    TensorParallelRead,
     next_param_id,
     repeated_block,
     shard_info,
@@ -47,6 +50,7 @@ from fsdp_compile.sharding_checks import (
     check_materialised_at_the_outermost_unit,
     check_module,
     check_strategy,
+    check_tensor_parallel,
 )
 
 __all__ = ["fully_shard"]
@@ -73,7 +77,7 @@ def _managed_params(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
     """Unsharded parameters of ``module`` by identity, each once (tied ones share an entry)."""
     found: dict[int, tuple[str, nn.Parameter]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        if isinstance(param, DTensor):  # already owned by a submodule's fully_shard
+        if shard_info(param) is not None:  # already owned by a submodule's fully_shard
             continue
         found.setdefault(id(param), (name, param))
     return found
@@ -185,6 +189,7 @@ def fully_shard(
         )
     mp_policy = mp_policy or MixedPrecision()
     marked = expert_modules(module)
+    check_tensor_parallel(module, mesh, bool(marked))
     float8_weights = _float8_weights(module, strategy, marked)
     if marked:
         dense_world = mesh.size() if mesh is not None else dist.get_world_size()
@@ -205,6 +210,10 @@ def fully_shard(
         if hasattr(param, "_mfsdp_sharded_as"):
             # Tied to a parameter an earlier (submodule) call already sharded: reuse that one.
             sharded[key] = param._mfsdp_sharded_as
+            continue
+        if isinstance(param, DTensor):  # placed by tensor parallelism (check_tensor_parallel)
+            reshards = _reshards(reshard_after_forward, fqn)
+            sharded[key] = _tensor_parallel_shard(param, fqn, unit, strategy, mesh, reshards, mp_policy)
             continue
         float8 = float8_weights.get(key)
         reshards = _reshards(reshard_after_forward, fqn)
@@ -248,6 +257,39 @@ def _dense_info(
         float8=float8,
         **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(param.dtype))),
     )
+
+
+def _tensor_parallel_shard(
+    param: nn.Parameter, fqn: str, unit: str, strategy: Strategy, mesh: DeviceMesh, reshards: bool,
+    mp_policy: MixedPrecision,
+) -> nn.Parameter:
+    """A parameter tensor parallelism placed (a DTensor on a 1-D tensor-parallel mesh),
+    sharded over the data-parallel ``mesh`` too, as FSDP2 shards it: this rank's
+    tensor-parallel piece cut by rows, a DTensor on the two meshes together, whose
+    data-parallel placement is a ``_StridedShard`` where tensor parallelism also cut rows.
+    Its gather runs over ``mesh`` alone and returns the tensor-parallel piece, which a read
+    wraps as the DTensor tensor parallelism made (``TensorParallelRead``)."""
+    local = param.to_local()
+    tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+    info = dataclasses.replace(
+        _dense_info(local, fqn, unit, strategy, mesh, reshards, mp_policy, None),
+        dtensor_shape=tuple(param.shape),
+        tensor_parallel=TensorParallelRead(tp_mesh, tp_placements, tuple(param.shape), param.stride()),
+    )
+    piece, dp_placement = local.detach(), Replicate()
+    if strategy in GATHERING_STRATEGIES:
+        rows = padded_rows(local.shape[0], mesh.size())
+        piece = piece[mesh.get_local_rank() * rows :][:rows]
+        cut_rows = math.prod(tp_mesh.size(i) for i, p in enumerate(tp_placements) if p.is_shard(0))
+        dp_placement = _StridedShard(0, split_factor=cut_rows) if cut_rows > 1 else Shard(0)
+    dtensor = DTensor.from_local(
+        piece, DeviceMesh._concatenate([mesh, tp_mesh]), (dp_placement, *tp_placements),
+        run_check=False, shape=param.shape, stride=param.stride(),
+    )
+    new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    new_param._mfsdp = info
+    param._mfsdp_sharded_as = new_param
+    return new_param
 
 
 def _swap_in(module: nn.Module, sharded: dict[int, nn.Parameter]) -> None:

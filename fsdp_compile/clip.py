@@ -30,6 +30,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_compile.records import shard_info
 from fsdp_compile.errors import UsageError
@@ -100,9 +101,10 @@ def _holders(param: torch.Tensor) -> tuple:
     groups = []
     if isinstance(grad, DTensor):
         for dim, placement in enumerate(grad.placements):
-            if not isinstance(placement, (Shard, Replicate)):
+            # A tensor-parallel parameter's data-parallel dimension is a _StridedShard.
+            if not isinstance(placement, (Shard, _StridedShard, Replicate)):
                 raise TypeError(f"clip_grad_norm_ expects Shard or Replicate gradients, got {placement}.")
-            if isinstance(placement, Shard):
+            if isinstance(placement, (Shard, _StridedShard)):
                 groups.append((grad.device_mesh, dim))
     if info is not None and info.ep_group_outside_mesh:
         groups.append(info.ep_group_outside_mesh)

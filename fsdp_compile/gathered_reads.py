@@ -69,6 +69,8 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
     for a float8 weight, its float8 wrapper."""
     try:
         gathered = unshard_marker(param.to_local(), marker_args(info, param.dtype))
+        if info.tensor_parallel is not None:
+            return info.tensor_parallel.read(gathered)
         return gathered if info.float8 is None else float8_weight(gathered, info.float8, info.param_dtype)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to

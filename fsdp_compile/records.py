@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import Float8Gather
@@ -78,6 +80,23 @@ class MixedPrecision:
         return param_dtype, self.reduce_dtype or param_dtype
 
 
+@dataclass(frozen=True)
+class TensorParallelRead:
+    """A tensor-parallel parameter as ``parallelize_module`` left it: what a read wraps the
+    data-parallel gather (this rank's tensor-parallel piece) into."""
+
+    mesh: DeviceMesh
+    """The tensor-parallel mesh."""
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def read(self, piece: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            piece, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardInfo:
     """What ``fully_shard`` decided for one parameter; read by the backend's planner."""
@@ -123,6 +142,9 @@ class ShardInfo:
     """A flat parameter's members (NOTE: flat parameters, in fsdp_compile/flat_params.py), by
     their names relative to the module ``fully_shard`` got; empty for every other parameter."""
     ep_group_outside_mesh: str = ""
+    tensor_parallel: TensorParallelRead | None = None
+    """A tensor-parallel parameter: what its gather returns is this rank's piece of it, read
+    as a DTensor on the tensor-parallel mesh; None for every other parameter."""
     """An expert of an ``nn.ModuleList`` under expert parallelism: the EP group whose other
     ranks hold the layer's other experts. Its DTensor lives on the ``edp`` mesh, which does not
     show them, so a norm over all parameters must also sum over this group

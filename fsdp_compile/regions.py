@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import types
 import warnings
 import weakref
 from collections import defaultdict
@@ -45,7 +44,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile import hf
 from fsdp_compile.backend import compiling_backend
@@ -134,7 +132,7 @@ def _note_graded(self: nn.Module, graded: list[tuple[bool, ...]]) -> None:
 def _block_call(
     block_key: int, layout: str, recipe: str, is_tensor: tuple[bool, ...], constants: tuple, train: bool
 ) -> tuple[int, bool]:
-    """The call of the block ``block_key`` (an index, see fsdp_compile/block_call.py), and
+    """The call of the block ``block_key`` (an index, see fsdp_compile/block_record.py), and
     whether its body runs inline (run, not traced, by Dynamo): outside a compile by mfsdp
     (no call: -1), or under ``options={"regional": False}``, where a training call is
     recorded only for its fake run (``BLOCK_GRADED``). ``constants``: the values of the
@@ -178,6 +176,17 @@ def _say_inline(block: str, argument: str) -> None:
         "options={'regional': False}, and compile time grows with depth. Pass the values the "
         "block reads from it instead (tensors or constants).",
         stacklevel=2,
+    )
+
+
+def _say_tensor_parallel_inline(block: str) -> None:
+    """Said once per block class (Python's warnings keep the first)."""
+    warnings.warn(
+        f"repeated {block} blocks hold tensor-parallel parameters: their layers are traced "
+        "inline in the step, as with options={'regional': False}, so compile time grows with "
+        "depth (one compiled body per repeated block does not take tensor-parallel blocks "
+        "yet: their parallelize_module hooks replace inputs and outputs, which a body defers).",
+        stacklevel=3,
     )
 
 
@@ -230,7 +239,7 @@ _REGION_CLASSES: dict[type, type] = {}
 def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
     """The block's sharded parameters by owner, grouped into flats; None when the block
     cannot be one body: a parameter not sharded by fully_shard, one shared with a module
-    outside the block, or a float8 weight."""
+    outside the block, a float8 weight, or a tensor-parallel one."""
     owners, slot_params, path_of = defaultdict(list), [], {}
     for path, owner in block.named_modules():
         for name, param in owner._parameters.items():
@@ -242,6 +251,9 @@ def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
             # input would need the op to be one torchao's dispatch knows): such a block is
             # traced inline, as with regional=False.
             if info is None or id(param) in shared or info.float8 is not None:
+                return None
+            if info.tensor_parallel is not None:
+                _say_tensor_parallel_inline(type(block).__name__)
                 return None
             owners[path].append(name)
             slot_params.append(param)

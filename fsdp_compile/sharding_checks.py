@@ -57,15 +57,6 @@ def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
             "e.g. module.to('cuda')."
         )
     for name, param in module.named_parameters():
-        if isinstance(param, DTensor) and shard_info(param) is None:
-            raise UsageError(
-                f"parameter {name!r} is already a DTensor ({list(param.placements)} on "
-                f"{param.device_mesh}), placed by torch's parallelize_module or "
-                "distribute_tensor: fully_shard does not shard tensor-parallel parameters yet, "
-                "and would leave it replicated over the data-parallel ranks. Leave tensor "
-                "parallelism out (fully_shard alone shards every parameter), or train the "
-                "model with FSDP2 (torch.distributed.fsdp.fully_shard), which composes with it."
-            )
         if not isinstance(param, DTensor) and not param.is_floating_point():
             raise UsageError(
                 f"parameter {name!r} has dtype {param.dtype}; only floating-point parameters "
@@ -75,6 +66,41 @@ def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
             raise UsageError(
                 f"parameter {name!r} is a 0-dim scalar and cannot be sharded on dim 0; give it "
                 "shape [1] instead."
+            )
+
+
+def check_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, expert_parallel: bool) -> None:
+    """Parameters tensor parallelism placed (DTensors ``fully_shard`` did not make) are
+    sharded over the data-parallel ``mesh`` too, as FSDP2 does: ``mesh`` and their mesh must
+    be two dimensions of one mesh, each 1-D (``mesh["dp"]`` and ``mesh["tp"]``)."""
+    placed = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and shard_info(p) is None]
+    if not placed:
+        return
+    name, param = placed[0]
+    tp_mesh = param.device_mesh
+    where = f"parameter {name!r} is a tensor-parallel DTensor ({list(param.placements)} on {tp_mesh})"
+    if mesh is None:
+        raise UsageError(
+            f"{where}: pass the data-parallel dimension of the same mesh, "
+            "fully_shard(model, mesh=mesh['dp']), where parallelize_module got mesh['tp']."
+        )
+    if mesh.ndim != 1 or tp_mesh.ndim != 1:
+        raise UsageError(
+            f"{where}: fully_shard takes tensor parallelism over one mesh dimension with a 1-D "
+            f"data-parallel mesh; got a {mesh.ndim}-D data-parallel mesh and a {tp_mesh.ndim}-D "
+            "tensor-parallel one (HSDP with tensor parallelism is not built yet)."
+        )
+    if expert_parallel:
+        raise UsageError(f"{where}: expert parallelism and tensor parallelism in one model are not built yet.")
+    for other_name, other in placed:
+        same_root = other.device_mesh._get_root_mesh() is mesh._get_root_mesh()
+        names = (mesh.mesh_dim_names or (), other.device_mesh.mesh_dim_names or ())
+        if not same_root or set(names[0]) & set(names[1]) or other.device_mesh.ndim != 1:
+            raise UsageError(
+                f"parameter {other_name!r} is a tensor-parallel DTensor on {other.device_mesh}, "
+                f"and fully_shard got {mesh}: they must be two dimensions of one mesh, "
+                "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+                "parallelize_module(model, mesh['tp'], plan), then fully_shard(model, mesh=mesh['dp'])."
             )
 
 

@@ -1,4 +1,5 @@
-"""The MoE example runs under torchrun as documented and learns: CPU always, GPUs when present."""
+"""The MoE and tensor-parallel examples run under torchrun as documented and learn: CPU always,
+GPUs when present."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ import torch
 
 from harness import free_port
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "train_tiny_moe.py"
+EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
-def _torchrun(nproc: int, *args: str, cpu: bool) -> dict:
+def _torchrun(nproc: int, *args: str, cpu: bool, example: str = "train_tiny_moe.py") -> dict:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
         str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(EXAMPLE), *args,
+        str(EXAMPLES / example), *args,
     ]
     # The example takes the GPUs when it sees them; hiding them runs the CPU (gloo) path.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if cpu else None
@@ -34,6 +35,14 @@ def test_moe_example_trains_on_4_cpu_ranks():
     """EP 2 x edp 2 on gloo, compiled with the eager runner: the loss falls."""
     result = _torchrun(4, "--steps", "6", cpu=True)
     assert result["world"] == 4 and result["run"]["ep"] == 2
+    assert result["last_loss"] < result["first_loss"], result
+
+
+@pytest.mark.multirank
+def test_tensor_parallel_example_trains_on_4_cpu_ranks():
+    """dp 2 x tp 2 on gloo, compiled with the eager runner: the loss falls."""
+    result = _torchrun(4, "--steps", "6", cpu=True, example="train_tp.py")
+    assert result["world"] == 4 and result["tp"] == 2
     assert result["last_loss"] < result["first_loss"], result
 
 

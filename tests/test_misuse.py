@@ -64,21 +64,6 @@ def test_three_dimensional_mesh():
 
 
 @pytest.mark.structure
-def test_tensor_parallel_parameters_are_refused_before_any_collective():
-    """The FSDP2 idiom (parallelize_module on a "tp" dimension, then fully_shard on "dp"): the
-    tensor-parallel DTensors are not ours to shard yet. Refused by fully_shard, naming the
-    parameter, instead of a compile error saying fully_shard was never called."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    with fake_process_group(4):
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
-        with pytest.raises(ValueError, match="parameter '0.weight' is already a DTensor .* tensor-parallel"):
-            fully_shard(model, mesh=mesh["dp"])
-
-
-@pytest.mark.structure
 def test_unknown_strategy():
     with fake_process_group(2):
         with pytest.raises(ValueError, match="unknown strategy 'zero3'.*optim_grads_params"):

@@ -1,0 +1,181 @@
+"""Tensor parallel inside, mfsdp across: the FSDP2 idiom (``parallelize_module`` on a "tp"
+mesh dimension, then ``fully_shard`` on "dp") trains at parity with the unsharded model, its
+parameters sharded over both dimensions, gathered over "dp" only, the tensor-parallel
+collectives kept in the compiled graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fsdp_compile
+from fsdp_compile import MfsdpBackend, UsageError, fully_shard, shard_info
+from fsdp_compile.ops import STRATEGIES
+from fsdp_compile.patterns import ALL_GATHER, ALL_GATHER_OUT, ALL_REDUCE, REDUCE_SCATTER
+from harness import fake_process_group, relative_error, spawn
+
+DIM, HIDDEN, VOCAB, LAYERS, STEPS = 16, 32, 64, 2, 3
+DP, TP = 2, 2
+MAX_NORM = 0.1
+"""Below the model's gradient norms (about 1), so clipping scales every step."""
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Model(nn.Module):
+    """A residual MLP stack whose blocks tensor parallelism splits as Megatron does: ``up``
+    by columns, ``down`` by rows (one all-reduce of the block's output over "tp")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(_Block() for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _batch(step: int, dp_rank: int) -> torch.Tensor:
+    """Data-parallel rank ``dp_rank``'s 2 x 8 tokens of the step's global batch; the ranks of
+    one tensor-parallel group read the same."""
+    tokens = torch.randint(0, VOCAB, (2 * DP, 8), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[2 * dp_rank : 2 * dp_rank + 2]
+
+
+def _loss(forward, tokens: torch.Tensor) -> torch.Tensor:
+    logits = forward(tokens)
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _reference(max_norm: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model, torch.cat([_batch(step, r) for r in range(DP)]))
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _parallelized(mesh, **shard_options) -> _Model:
+    torch.manual_seed(0)
+    model = _Model()
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return fully_shard(model, mesh=mesh["dp"], **shard_options)
+
+
+def _train(rank: int, world: int, *, runs: list[tuple[str, str, float | None]]) -> dict:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_group = mesh["dp"].get_group()
+    results = {}
+    for strategy, compiler, max_norm in runs:
+        torch._dynamo.reset()
+        model = _parallelized(mesh, strategy=strategy)
+        forward = model if compiler == "none" else torch.compile(model, backend=MfsdpBackend(compiler=compiler))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            loss = _loss(forward, _batch(step, mesh["dp"].get_local_rank()))
+            loss.backward()
+            if max_norm is not None:  # one norm over the 2-D and the 1-D ("dp") gradients
+                fsdp_compile.clip_grad_norm_(model.parameters(), max_norm)
+            placements_kept = all(p.grad.placements == p.placements for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=dp_group)
+            losses.append(mean / DP)
+        results[strategy, compiler, max_norm] = {
+            "losses": torch.stack(losses),
+            "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
+            "grad_placements_kept": placements_kept,
+        }
+    return results
+
+
+@pytest.mark.multirank
+def test_tensor_parallel_inside_mfsdp_across_trains_at_parity():
+    """dp 2 x tp 2 on 4 gloo ranks: every strategy uncompiled and compiled (eager runner),
+    ZeRO-3 with Inductor too, and with ``fsdp_compile.clip_grad_norm_`` clipping every step,
+    against the unsharded model on the global batch; each gradient lands with its
+    parameter's two-dimensional placements."""
+    runs = [(s, c, None) for s in STRATEGIES for c in ("none", "eager")]
+    runs += [("optim_grads_params", "inductor", None), ("optim_grads_params", "eager", MAX_NORM)]
+    references = {max_norm: _reference(max_norm) for max_norm in (None, MAX_NORM)}
+    for rank_results in spawn(_train, DP * TP, runs=runs):
+        for run, r in rank_results.items():
+            ref_losses, ref_params = references[run[-1]]
+            loss_error = relative_error(r["losses"], ref_losses)
+            param_error = max(relative_error(r["params"][n], ref_params[n]) for n in ref_params)
+            assert loss_error < 1e-5 and param_error < 1e-5, (run, loss_error, param_error)
+            assert r["grad_placements_kept"], run
+
+
+def _groups(graph, *targets) -> list[str]:
+    """The group each collective of ``targets`` in ``graph`` runs over, in graph order."""
+    return [n.args[-1] for n in graph.graph.nodes if n.target in targets]
+
+
+@pytest.mark.structure
+def test_parameters_are_gathered_over_dp_and_the_tensor_parallel_collectives_stay():
+    """Traced on the fake process group: each tensor-parallel parameter is sharded over both
+    dimensions and gathered over "dp" only, the gradients are reduced over "dp" only, and the
+    row-parallel all-reduces over "tp" stay in the graphs, one per block forward."""
+    with fake_process_group(DP * TP):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        dp, tp = mesh["dp"].get_group().group_name, mesh["tp"].get_group().group_name
+        model = _parallelized(mesh)
+        backend = MfsdpBackend(compiler="eager")
+        _loss(torch.compile(model, backend=backend), _batch(0, 0)).backward()
+    up = model.layers[0].up._parameters["weight"]  # the stored shard, not a gathering read
+    assert isinstance(up, DTensor) and up.device_mesh.ndim == 2 and up.to_local().shape == (HIDDEN // TP // DP, DIM)
+    assert shard_info(up).group_name == dp and shard_info(up).tensor_parallel is not None
+    (graph,) = backend.graphs
+    gathers = _groups(graph.forward, ALL_GATHER, ALL_GATHER_OUT) + _groups(graph.backward, ALL_GATHER, ALL_GATHER_OUT)
+    assert gathers and set(gathers) == {dp}, gathers
+    assert set(_groups(graph.backward, REDUCE_SCATTER)) == {dp}, _groups(graph.backward, REDUCE_SCATTER)
+    assert _groups(graph.forward, ALL_REDUCE) == [tp] * LAYERS, _groups(graph.forward, ALL_REDUCE)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("mistake", ["no_mesh", "hsdp", "another_mesh"])
+def test_tensor_parallel_misuse_is_refused_before_any_collective(mistake):
+    """The data-parallel mesh must be given, 1-D, and a dimension of the mesh whose other
+    dimension tensor parallelism used."""
+    with fake_process_group(8):
+        mesh = init_device_mesh("cpu", (2, DP, TP), mesh_dim_names=("replicate", "dp", "tp"))
+        model = _Model()
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        options = {
+            "no_mesh": {},
+            "hsdp": {"mesh": mesh["replicate", "dp"]},
+            "another_mesh": {"mesh": init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))},
+        }[mistake]
+        expected = {"no_mesh": "mesh=mesh\\['dp'\\]", "hsdp": "2-D data-parallel mesh", "another_mesh": "two dimensions of one mesh"}
+        with pytest.raises(UsageError, match=expected[mistake]):
+            fully_shard(model, **options)
