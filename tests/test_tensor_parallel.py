@@ -88,19 +88,27 @@ def _parallelized(mesh, **shard_options) -> _Model:
     return fully_shard(model, mesh=mesh["dp"], **shard_options)
 
 
-def _train(rank: int, world: int, *, runs: list[tuple[str, str, float | None]]) -> dict:
+def _train(rank: int, world: int, *, runs: list[tuple[str, str, float | None, int]]) -> dict:
+    """Each run: strategy, compiler ("none": uncompiled), the clipping norm (None: no
+    clipping), and micro-batches per step (the last one reducing the sum of all: gradient
+    accumulation)."""
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp_group = mesh["dp"].get_group()
     results = {}
-    for strategy, compiler, max_norm in runs:
+    for strategy, compiler, max_norm, micro in runs:
         torch._dynamo.reset()
         model = _parallelized(mesh, strategy=strategy)
         forward = model if compiler == "none" else torch.compile(model, backend=MfsdpBackend(compiler=compiler))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for step in range(STEPS):
-            loss = _loss(forward, _batch(step, mesh["dp"].get_local_rank()))
-            loss.backward()
+            tokens = _batch(step, mesh["dp"].get_local_rank())
+            loss = 0
+            for at, part in enumerate(tokens.chunk(micro)):
+                model.set_requires_gradient_sync(at == micro - 1)
+                part_loss = _loss(forward, part) / micro
+                part_loss.backward()
+                loss = loss + part_loss.detach()
             if max_norm is not None:  # one norm over the 2-D and the 1-D ("dp") gradients
                 fsdp_compile.clip_grad_norm_(model.parameters(), max_norm)
             placements_kept = all(p.grad.placements == p.placements for p in model.parameters())
@@ -109,7 +117,7 @@ def _train(rank: int, world: int, *, runs: list[tuple[str, str, float | None]]) 
             mean = loss.detach().clone()
             dist.all_reduce(mean, group=dp_group)
             losses.append(mean / DP)
-        results[strategy, compiler, max_norm] = {
+        results[strategy, compiler, max_norm, micro] = {
             "losses": torch.stack(losses),
             "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
             "grad_placements_kept": placements_kept,
@@ -120,15 +128,17 @@ def _train(rank: int, world: int, *, runs: list[tuple[str, str, float | None]]) 
 @pytest.mark.multirank
 def test_tensor_parallel_inside_mfsdp_across_trains_at_parity():
     """dp 2 x tp 2 on 4 gloo ranks: every strategy uncompiled and compiled (eager runner),
-    ZeRO-3 with Inductor too, and with ``fsdp_compile.clip_grad_norm_`` clipping every step,
-    against the unsharded model on the global batch; each gradient lands with its
-    parameter's two-dimensional placements."""
-    runs = [(s, c, None) for s in STRATEGIES for c in ("none", "eager")]
-    runs += [("optim_grads_params", "inductor", None), ("optim_grads_params", "eager", MAX_NORM)]
+    ZeRO-3 with Inductor too, with ``fsdp_compile.clip_grad_norm_`` clipping every step, and
+    with two micro-batches a step (gradient accumulation, ZeRO-3 and ZeRO-1), against the
+    unsharded model on the global batch; each gradient lands with its parameter's
+    two-dimensional placements."""
+    runs = [(s, c, None, 1) for s in STRATEGIES for c in ("none", "eager")]
+    runs += [("optim_grads_params", "inductor", None, 1), ("optim_grads_params", "eager", MAX_NORM, 1)]
+    runs += [(s, "eager", None, 2) for s in ("optim_grads_params", "optim")]
     references = {max_norm: _reference(max_norm) for max_norm in (None, MAX_NORM)}
     for rank_results in spawn(_train, DP * TP, runs=runs):
         for run, r in rank_results.items():
-            ref_losses, ref_params = references[run[-1]]
+            ref_losses, ref_params = references[run[2]]
             loss_error = relative_error(r["losses"], ref_losses)
             param_error = max(relative_error(r["params"][n], ref_params[n]) for n in ref_params)
             assert loss_error < 1e-5 and param_error < 1e-5, (run, loss_error, param_error)
