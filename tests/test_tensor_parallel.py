@@ -263,3 +263,60 @@ def test_hf_llama_with_its_own_tensor_parallel_plan_trains_at_parity():
             loss_error = relative_error(losses, torch.stack(ref_losses))
             param_error = max(relative_error(params[n], ref_params[n]) for n in ref_params)
             assert loss_error < 1e-5 and param_error < 5e-5, (compiler, loss_error, param_error)
+
+
+def _steps(forward, opt, mesh, steps: range) -> torch.Tensor:
+    """Train ``steps`` on the global batches, each data-parallel rank on its equal part; the
+    losses averaged over the data-parallel ranks."""
+    dp, losses = mesh["dp"], []
+    for step in steps:
+        rows = 2 * DP // dp.size()
+        tokens = torch.cat([_batch(step, r) for r in range(DP)])[dp.get_local_rank() * rows :][:rows]
+        loss = _loss(forward, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp.get_group())
+        losses.append(mean / dp.size())
+    return torch.stack(losses)
+
+
+def _checkpoint_layouts(rank: int, world: int, *, path: str) -> dict:
+    """Train two steps on dp 2 x tp 2 and save (model and optimizer, DCP); load into dp 4 x tp 1
+    and dp 1 x tp 4 and take the third step there, as on the saving layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    results = {}
+    for dp, tp in ((2, 2), (4, 1), (1, 4)):
+        torch._dynamo.reset()
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        model = _parallelized(mesh)
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if (dp, tp) == (2, 2):
+            _steps(forward, opt, mesh, range(2))
+            model_state, optim_state = get_state_dict(model, opt)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        else:
+            model_state, optim_state = get_state_dict(model, opt)  # the layout to load into
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        losses = _steps(forward, opt, mesh, range(2, 3))
+        results[dp, tp] = losses, {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    return results
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_saved_on_dp2_tp2_resumes_on_dp4_tp1_and_dp1_tp4(tmp_path):
+    """DCP of the model and AdamW's state saved on dp 2 x tp 2 after two steps, loaded on
+    dp 4 x tp 1 and dp 1 x tp 4: the third step's loss and parameters as on the saving
+    layout."""
+    (results, *_) = spawn(_checkpoint_layouts, 4, path=str(tmp_path / "checkpoint"))
+    saved_losses, saved_params = results[2, 2]
+    for layout in ((4, 1), (1, 4)):
+        losses, params = results[layout]
+        param_error = max(relative_error(params[n], saved_params[n]) for n in saved_params)
+        assert relative_error(losses, saved_losses) < 1e-5 and param_error < 1e-5, (layout, losses, saved_losses, param_error)
