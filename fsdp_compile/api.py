@@ -265,8 +265,9 @@ def _tensor_parallel_shard(
 ) -> nn.Parameter:
     """A parameter tensor parallelism placed (a DTensor on a 1-D tensor-parallel mesh),
     sharded over the data-parallel ``mesh`` too, as FSDP2 shards it: this rank's
-    tensor-parallel piece cut by rows, a DTensor on the two meshes together, whose
-    data-parallel placement is a ``_StridedShard`` where tensor parallelism also cut rows.
+    tensor-parallel piece cut by rows (over an HSDP mesh's shard dimension, replicated over
+    its first), a DTensor on the meshes together, whose placement on the shard dimension is
+    a ``_StridedShard`` where tensor parallelism also cut rows.
     Its gather runs over ``mesh`` alone and returns the tensor-parallel piece, which a read
     wraps as the DTensor tensor parallelism made (``TensorParallelRead``)."""
     local = param.to_local()
@@ -276,14 +277,14 @@ def _tensor_parallel_shard(
         dtensor_shape=tuple(param.shape),
         tensor_parallel=TensorParallelRead(tp_mesh, tp_placements, tuple(param.shape), param.stride()),
     )
-    piece, dp_placement = local.detach(), Replicate()
-    if strategy in GATHERING_STRATEGIES:
-        rows = padded_rows(local.shape[0], mesh.size())
-        piece = piece[mesh.get_local_rank() * rows :][:rows]
+    piece, dp_placements = local.detach(), [Replicate()] * mesh.ndim
+    if strategy in GATHERING_STRATEGIES:  # on an HSDP mesh, over its shard dimension (the last)
+        rows = padded_rows(local.shape[0], mesh.size(-1))
+        piece = piece[mesh.get_local_rank(mesh.ndim - 1) * rows :][:rows]
         cut_rows = math.prod(tp_mesh.size(i) for i, p in enumerate(tp_placements) if p.is_shard(0))
-        dp_placement = _StridedShard(0, split_factor=cut_rows) if cut_rows > 1 else Shard(0)
+        dp_placements[-1] = _StridedShard(0, split_factor=cut_rows) if cut_rows > 1 else Shard(0)
     dtensor = DTensor.from_local(
-        piece, DeviceMesh._concatenate([mesh, tp_mesh]), (dp_placement, *tp_placements),
+        piece, DeviceMesh._concatenate([mesh, tp_mesh]), (*dp_placements, *tp_placements),
         run_check=False, shape=param.shape, stride=param.stride(),
     )
     new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)

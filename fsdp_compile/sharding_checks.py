@@ -71,34 +71,36 @@ def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
 
 def check_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, expert_parallel: bool) -> None:
     """Parameters tensor parallelism placed (DTensors ``fully_shard`` did not make) are
-    sharded over the data-parallel ``mesh`` too, as FSDP2 does: ``mesh`` and their mesh must
-    be two dimensions of one mesh, each 1-D (``mesh["dp"]`` and ``mesh["tp"]``)."""
+    sharded over the data-parallel ``mesh`` too, as FSDP2 does: ``mesh`` (1-D, or 2-D for
+    HSDP) and their 1-D mesh must be dimensions of one mesh (``mesh["dp"]`` and
+    ``mesh["tp"]``)."""
     placed = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and shard_info(p) is None]
     if not placed:
         return
     name, param = placed[0]
-    tp_mesh = param.device_mesh
-    where = f"parameter {name!r} is a tensor-parallel DTensor ({list(param.placements)} on {tp_mesh})"
     if mesh is None:
         raise UsageError(
-            f"{where}: pass the data-parallel dimension of the same mesh, "
+            f"parameter {name!r} is a tensor-parallel DTensor ({list(param.placements)} on "
+            f"{param.device_mesh}): pass the data-parallel dimension of the same mesh, "
             "fully_shard(model, mesh=mesh['dp']), where parallelize_module got mesh['tp']."
         )
-    if mesh.ndim != 1 or tp_mesh.ndim != 1:
-        raise UsageError(
-            f"{where}: fully_shard takes tensor parallelism over one mesh dimension with a 1-D "
-            f"data-parallel mesh; got a {mesh.ndim}-D data-parallel mesh and a {tp_mesh.ndim}-D "
-            "tensor-parallel one (HSDP with tensor parallelism is not built yet)."
-        )
     if expert_parallel:
-        raise UsageError(f"{where}: expert parallelism and tensor parallelism in one model are not built yet.")
-    for other_name, other in placed:
-        same_root = other.device_mesh._get_root_mesh() is mesh._get_root_mesh()
-        names = (mesh.mesh_dim_names or (), other.device_mesh.mesh_dim_names or ())
-        if not same_root or set(names[0]) & set(names[1]) or other.device_mesh.ndim != 1:
+        raise UsageError(
+            f"parameter {name!r} is a tensor-parallel DTensor: expert parallelism and tensor "
+            "parallelism in one model are not built yet."
+        )
+    for name, param in placed:
+        tp_mesh = param.device_mesh
+        if tp_mesh.ndim != 1:
             raise UsageError(
-                f"parameter {other_name!r} is a tensor-parallel DTensor on {other.device_mesh}, "
-                f"and fully_shard got {mesh}: they must be two dimensions of one mesh, "
+                f"parameter {name!r} is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}: fully_shard "
+                "takes tensor parallelism over one mesh dimension."
+            )
+        names = set(mesh.mesh_dim_names or ()) & set(tp_mesh.mesh_dim_names or ())
+        if tp_mesh._get_root_mesh() != mesh._get_root_mesh() or names:
+            raise UsageError(
+                f"parameter {name!r} is a tensor-parallel DTensor on {tp_mesh}, and fully_shard "
+                f"got {mesh}: they must be dimensions of one mesh, "
                 "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
                 "parallelize_module(model, mesh['tp'], plan), then fully_shard(model, mesh=mesh['dp'])."
             )

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, UsageError, fully_shard, shard_info
-from fsdp_compile.ops import STRATEGIES
+from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES
 from fsdp_compile.patterns import ALL_GATHER, ALL_GATHER_OUT, ALL_REDUCE, REDUCE_SCATTER
 from harness import fake_process_group, relative_error, spawn
 
@@ -80,12 +80,12 @@ def _reference(max_norm: float | None = None) -> tuple[torch.Tensor, dict[str, t
     return torch.stack(losses), {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _parallelized(mesh, **shard_options) -> _Model:
+def _parallelized(mesh, data_parallel: str | tuple[str, ...] = "dp", **shard_options) -> _Model:
     torch.manual_seed(0)
     model = _Model()
     for layer in model.layers:
         parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    return fully_shard(model, mesh=mesh["dp"], **shard_options)
+    return fully_shard(model, mesh=mesh[data_parallel], **shard_options)
 
 
 def _train(rank: int, world: int, *, runs: list[tuple[str, str, float | None, int]]) -> dict:
@@ -172,21 +172,28 @@ def test_parameters_are_gathered_over_dp_and_the_tensor_parallel_collectives_sta
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("mistake", ["no_mesh", "hsdp", "another_mesh"])
+@pytest.mark.parametrize("mistake", ["no_mesh", "two_dimensional", "another_mesh"])
 def test_tensor_parallel_misuse_is_refused_before_any_collective(mistake):
-    """The data-parallel mesh must be given, 1-D, and a dimension of the mesh whose other
-    dimension tensor parallelism used."""
+    """The data-parallel mesh must be given, and be dimensions of the mesh whose other
+    dimension tensor parallelism used; tensor parallelism takes one dimension."""
     with fake_process_group(8):
         mesh = init_device_mesh("cpu", (2, DP, TP), mesh_dim_names=("replicate", "dp", "tp"))
         model = _Model()
         for layer in model.layers:
             parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        if mistake == "two_dimensional":  # a parameter placed on two dimensions by hand
+            weight = model.head.weight.detach()
+            model.head.weight = nn.Parameter(distribute_tensor(weight, mesh["dp", "tp"], [Shard(0), Shard(1)]))
         options = {
             "no_mesh": {},
-            "hsdp": {"mesh": mesh["replicate", "dp"]},
+            "two_dimensional": {"mesh": mesh["replicate"]},
             "another_mesh": {"mesh": init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))},
         }[mistake]
-        expected = {"no_mesh": "mesh=mesh\\['dp'\\]", "hsdp": "2-D data-parallel mesh", "another_mesh": "two dimensions of one mesh"}
+        expected = {
+            "no_mesh": "mesh=mesh\\['dp'\\]",
+            "two_dimensional": "head.weight.* 2-D mesh .* over one mesh dimension",
+            "another_mesh": "must be dimensions of one mesh",
+        }
         with pytest.raises(UsageError, match=expected[mistake]):
             fully_shard(model, **options)
 
@@ -265,20 +272,21 @@ def test_hf_llama_with_its_own_tensor_parallel_plan_trains_at_parity():
             assert loss_error < 1e-5 and param_error < 5e-5, (compiler, loss_error, param_error)
 
 
-def _steps(forward, opt, mesh, steps: range) -> torch.Tensor:
-    """Train ``steps`` on the global batches, each data-parallel rank on its equal part; the
-    losses averaged over the data-parallel ranks."""
-    dp, losses = mesh["dp"], []
+def _steps(forward, opt, tp: int, steps: range) -> torch.Tensor:
+    """Train ``steps`` on the global batches, each data-parallel rank on its equal part (the
+    ranks of one tensor-parallel group, ``tp`` consecutive ranks, on the same); the losses
+    averaged over the data-parallel ranks."""
+    world, losses = dist.get_world_size(), []
+    rows = 2 * DP // (world // tp)
     for step in steps:
-        rows = 2 * DP // dp.size()
-        tokens = torch.cat([_batch(step, r) for r in range(DP)])[dp.get_local_rank() * rows :][:rows]
+        tokens = torch.cat([_batch(step, r) for r in range(DP)])[dist.get_rank() // tp * rows :][:rows]
         loss = _loss(forward, tokens)
         loss.backward()
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
-        dist.all_reduce(mean, group=dp.get_group())
-        losses.append(mean / dp.size())
+        dist.all_reduce(mean)  # every rank of a tensor-parallel group holds the same loss
+        losses.append(mean / world)
     return torch.stack(losses)
 
 
@@ -296,7 +304,7 @@ def _checkpoint_layouts(rank: int, world: int, *, path: str) -> dict:
         forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if (dp, tp) == (2, 2):
-            _steps(forward, opt, mesh, range(2))
+            _steps(forward, opt, tp, range(2))
             model_state, optim_state = get_state_dict(model, opt)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
         else:
@@ -304,7 +312,7 @@ def _checkpoint_layouts(rank: int, world: int, *, path: str) -> dict:
             state = {"model": model_state, "optim": optim_state}
             dcp.load(state, checkpoint_id=path)
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        losses = _steps(forward, opt, mesh, range(2, 3))
+        losses = _steps(forward, opt, tp, range(2, 3))
         results[dp, tp] = losses, {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     return results
 
@@ -320,3 +328,28 @@ def test_a_checkpoint_saved_on_dp2_tp2_resumes_on_dp4_tp1_and_dp1_tp4(tmp_path):
         losses, params = results[layout]
         param_error = max(relative_error(params[n], saved_params[n]) for n in saved_params)
         assert relative_error(losses, saved_losses) < 1e-5 and param_error < 1e-5, (layout, losses, saved_losses, param_error)
+
+
+def _hsdp_train(rank: int, world: int, *, strategies: tuple[str, ...]) -> dict:
+    mesh = init_device_mesh("cpu", (2, DP, TP), mesh_dim_names=("replicate", "dp", "tp"))
+    results = {}
+    for strategy in strategies:
+        torch._dynamo.reset()
+        model = _parallelized(mesh, strategy=strategy, data_parallel=("replicate", "dp"))
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = _steps(forward, opt, TP, range(STEPS))
+        results[strategy] = losses, {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    return results
+
+
+@pytest.mark.multirank
+def test_hsdp_with_tensor_parallel_inside_trains_at_parity():
+    """replicate 2 x dp 2 x tp 2 on 8 gloo ranks, ``fully_shard`` on the (replicate, dp)
+    mesh, every sharded strategy compiled: parameters replicated over "replicate", sharded
+    over "dp" and "tp", against the unsharded model on the global batch."""
+    ref_losses, ref_params = _reference()
+    for rank_results in spawn(_hsdp_train, 2 * DP * TP, strategies=tuple(sorted(GATHERING_STRATEGIES))):
+        for strategy, (losses, params) in rank_results.items():
+            param_error = max(relative_error(params[n], ref_params[n]) for n in ref_params)
+            assert relative_error(losses, ref_losses) < 1e-5 and param_error < 1e-5, (strategy, param_error)
