@@ -142,13 +142,13 @@ class ShardInfo:
     """A flat parameter's members (NOTE: flat parameters, in fsdp_compile/flat_params.py), by
     their names relative to the module ``fully_shard`` got; empty for every other parameter."""
     ep_group_outside_mesh: str = ""
-    tensor_parallel: TensorParallelRead | None = None
-    """A tensor-parallel parameter: what its gather returns is this rank's piece of it, read
-    as a DTensor on the tensor-parallel mesh; None for every other parameter."""
     """An expert of an ``nn.ModuleList`` under expert parallelism: the EP group whose other
     ranks hold the layer's other experts. Its DTensor lives on the ``edp`` mesh, which does not
     show them, so a norm over all parameters must also sum over this group
     (``fsdp_compile.clip_grad_norm_``). "" for every other parameter."""
+    tensor_parallel: TensorParallelRead | None = None
+    """A tensor-parallel parameter: what its gather returns is this rank's piece of it, read
+    as a DTensor on the tensor-parallel mesh; None for every other parameter."""
 
     def alike(self) -> ShardInfo:
         """This record less what names one parameter (its id, path and shapes): equal for

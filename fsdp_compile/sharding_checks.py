@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile.errors import UsageError
+from fsdp_compile.float8 import is_float8_weight
 from fsdp_compile.ops import STRATEGIES
 from fsdp_compile.records import ShardInfo, is_fully_sharded, shard_info
 
@@ -90,20 +91,49 @@ def check_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, expert_par
             "parallelism in one model are not built yet."
         )
     for name, param in placed:
-        tp_mesh = param.device_mesh
-        if tp_mesh.ndim != 1:
-            raise UsageError(
-                f"parameter {name!r} is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}: fully_shard "
-                "takes tensor parallelism over one mesh dimension."
-            )
-        names = set(mesh.mesh_dim_names or ()) & set(tp_mesh.mesh_dim_names or ())
-        if tp_mesh._get_root_mesh() != mesh._get_root_mesh() or names:
-            raise UsageError(
-                f"parameter {name!r} is a tensor-parallel DTensor on {tp_mesh}, and fully_shard "
-                f"got {mesh}: they must be dimensions of one mesh, "
-                "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
-                "parallelize_module(model, mesh['tp'], plan), then fully_shard(model, mesh=mesh['dp'])."
-            )
+        _check_one_tensor_parallel(name, param, mesh)
+
+
+def _check_one_tensor_parallel(name: str, param: DTensor, mesh: DeviceMesh) -> None:
+    tp_mesh = param.device_mesh
+    if tp_mesh.ndim != 1:
+        raise UsageError(
+            f"parameter {name!r} is a DTensor on a {tp_mesh.ndim}-D mesh {tp_mesh}: fully_shard "
+            "takes tensor parallelism over one mesh dimension."
+        )
+    if param.ndim == 0:
+        raise UsageError(f"parameter {name!r} is a 0-dim DTensor and cannot be sharded on dim 0; give it shape [1].")
+    if is_float8_weight(param.to_local()):
+        raise UsageError(
+            f"parameter {name!r} is a float8 weight under tensor parallelism: its float8 gather "
+            "over the data-parallel ranks is not built yet. Leave it out of the float8 "
+            "conversion (convert_to_float8_training(..., module_filter_fn=...))."
+        )
+    names = set(mesh.mesh_dim_names or ()) & set(tp_mesh.mesh_dim_names or ())
+    fix = (
+        "they must be distinct dimensions of one mesh with names: mesh = init_device_mesh(device, "
+        "(dp, tp), mesh_dim_names=('dp', 'tp')), parallelize_module(model, mesh['tp'], plan), then "
+        "fully_shard(model, mesh=mesh['dp'])."
+    )
+    if tp_mesh._get_root_mesh() != mesh._get_root_mesh() or names or not tp_mesh.mesh_dim_names:
+        raise UsageError(f"parameter {name!r} is a tensor-parallel DTensor on {tp_mesh}, and fully_shard got {mesh}: {fix}")
+    try:  # what fully_shard builds the parameter's mesh with; it runs no collective
+        DeviceMesh._concatenate([mesh, tp_mesh])
+    except Exception as error:
+        raise UsageError(f"parameter {name!r}: its tensor-parallel mesh {tp_mesh} and {mesh} ({error}): {fix}") from error
+    # torch's _StridedShard describes rows cut by tensor parallelism unevenly, then over three
+    # or more data-parallel ranks, other than the rows each rank holds (FSDP2 has the same
+    # limit): a checkpoint or a full state dict would land rows at the wrong offsets.
+    tp_rows = [tp_mesh.size() for p in param.placements if p.is_shard(0)]
+    dp_ranks = mesh.size(mesh.ndim - 1)
+    if tp_rows and param.shape[0] % tp_rows[0] and dp_ranks >= 3:
+        raise UsageError(
+            f"parameter {name!r} has {param.shape[0]} rows, which tensor parallelism cuts unevenly "
+            f"over {tp_rows[0]} ranks; sharded again over {dp_ranks} data-parallel ranks its DTensor "
+            "layout (_StridedShard) would not say which rows each rank holds, and checkpoints would "
+            "misplace them. Make dim 0 divisible by the tensor-parallel size (pad the vocabulary), "
+            "or use at most 2 data-parallel ranks per shard group."
+        )
 
 
 def _check_mesh_holds_every_rank(mesh: DeviceMesh) -> None:
