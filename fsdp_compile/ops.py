@@ -30,7 +30,7 @@ gradient to the accumulator (autograd sums it into ``accumulator.grad``); given 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,10 @@ __all__ = [
     "reduce_grad",
     "padded_rows",
     "local_rows",
+    "gathered",
+    "reduced",
+    "Emit",
+    "RUN",
     "gradient_reduce_op",
     "GradReduceOp",
     "Strategy",
@@ -61,12 +65,6 @@ GradReduceOp = Literal["sum", "avg"]
 AVERAGING_BACKENDS = frozenset({"nccl", "fake"})
 """Process-group backends whose collectives average (``ReduceOp.AVG``): NCCL, and the fake
 group that one-GPU benchmarks stand in for it with. gloo has no AVG."""
-
-# torch 2.13 names these *_single and deprecates the *_tensor spellings; older torch (the
-# GPU images we benchmark on) only has the latter.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
 
 def padded_rows(global_rows: int, world: int) -> int:
     """Rows of one rank's piece on the wire (ceil division, as ``torch.chunk``)."""
@@ -109,13 +107,126 @@ def gradient_reduce_op(
     return "sum"
 
 
-def pad_rows(tensor: Tensor, rows: int) -> Tensor:
-    """``tensor`` zero-padded on dim 0 to ``rows`` rows (no copy when already that size)."""
-    missing = rows - tensor.shape[0]
+aten = torch.ops.aten
+_functional = torch.ops._c10d_functional
+
+
+class Emit(Protocol):
+    """Where the marker arithmetic's ops go: run now (``RUN``, the eager markers) or
+    inserted as graph nodes (``passes/lower_collectives.py``)."""
+
+    def __call__(self, op: torch._ops.OpOverload, *args: Any) -> Any: ...
+
+    def val(self, value: Any) -> Tensor:
+        """The tensor (or its fake value) ``value`` stands for: its shape and dtype."""
+
+
+class _Run:
+    def __call__(self, op: torch._ops.OpOverload, *args: Any) -> Tensor:
+        return op(*args)
+
+    def val(self, value: Tensor) -> Tensor:
+        return value
+
+
+RUN: Emit = _Run()
+"""Runs each op as it comes: the eager markers."""
+
+
+def _cast(emit: Emit, value: Any, dtype: torch.dtype) -> Any:
+    if emit.val(value).dtype == dtype:
+        return value
+    return emit(torch.ops.prims.convert_element_type.default, value, dtype)
+
+
+def pad_rows(emit: Emit, value: Any, rows: int) -> Any:
+    """``value`` zero-padded on dim 0 to ``rows`` rows (nothing when it has them)."""
+    shape = emit.val(value).shape
+    missing = rows - shape[0]
     if missing == 0:
-        return tensor
-    filler = tensor.new_zeros((missing, *tensor.shape[1:]))
-    return torch.cat([tensor, filler])
+        return value
+    # constant_pad_nd lists (before, after) pairs from the last dim back to dim 0.
+    return emit(aten.constant_pad_nd.default, value, [0, 0] * (len(shape) - 1) + [0, missing])
+
+
+def first_rows(emit: Emit, value: Any, rows: int) -> Any:
+    if emit.val(value).shape[0] == rows:
+        return value
+    return emit(aten.slice.Tensor, value, 0, 0, rows)
+
+
+def gathered(
+    emit: Emit, shard: Any, *, param_dtype: torch.dtype, gathers: bool, world: int, global_rows: int, group_name: str
+) -> Any:
+    """What ``unshard`` computes, once for both of its forms (NOTE: one marker arithmetic):
+    the shard cast to ``param_dtype`` (first, so the wire carries it), and for a gathering
+    strategy padded to equal pieces, all-gathered over ``group_name`` and trimmed to
+    ``global_rows``."""
+    local = _cast(emit, shard, param_dtype)
+    if not gathers:
+        return local
+    padded = pad_rows(emit, local, padded_rows(global_rows, world))
+    whole = emit(_functional.wait_tensor.default, emit(_functional.all_gather_into_tensor.default, padded, world, group_name))
+    return first_rows(emit, whole, global_rows)
+
+
+def reduced(
+    emit: Emit,
+    grad: Any,
+    pending: Any | None,
+    *,
+    strategy: str,
+    reduce_dtype: torch.dtype,
+    shard_dtype: torch.dtype,
+    op: GradReduceOp,
+    world: int,
+    rank: int,
+    shard_rows: int,
+    grad_divisor: int,
+    group_name: str,
+    replicate_group_name: str,
+) -> Any:
+    """What ``reduce_grad`` computes, once for both of its forms (NOTE: one marker
+    arithmetic): ``grad`` (+ ``pending``) in ``reduce_dtype``, reduce-scattered (ZeRO-2/3) or
+    all-reduced (``optim``, ``no_shard``) over ``group_name``, then all-reduced over the
+    replicas (HSDP), averaged over ``grad_divisor`` ranks (by the collectives with ``op``
+    "avg", else by a division: NOTE: averaging in the collective), this rank's
+    ``shard_rows`` rows in ``shard_dtype``.
+
+    NOTE: one marker arithmetic
+        The markers run eagerly (the uncompiled model, the baseline every test compares
+        with) and are lowered into the compiled graphs. Both forms are these two functions:
+        eagerly they run their ops (``RUN``), the lowering passes an ``Emit`` that inserts
+        each op as a node, with the plan's facts where the eager marker asks the process
+        groups. So compiled and eager compute the same ops in the same order by
+        construction, and the chains the passes match (fsdp_compile/patterns.py) are the
+        ones drawn there.
+    """
+    if pending is not None:  # the micro-batches accumulated without sync
+        grad = emit(aten.add.Tensor, _cast(emit, grad, reduce_dtype), pending)
+    rows = padded_rows(emit.val(grad).shape[0], world)
+    if strategy in SCATTERING_STRATEGIES:
+        # Cast last, as the collective's input: in the compiled step a pack
+        # (pack_in_reduce_dtype) or a bucket's copy-in takes the cast over.
+        padded = _cast(emit, pad_rows(emit, grad, rows * world), reduce_dtype)
+        collective = emit(_functional.reduce_scatter_tensor.default, padded, op, world, group_name)
+    else:
+        collective = emit(_functional.all_reduce.default, _cast(emit, grad, reduce_dtype), op, group_name)
+    whole = emit(_functional.wait_tensor.default, collective)
+    if replicate_group_name:
+        across = emit(_functional.all_reduce.default, whole, op, replicate_group_name)
+        whole = emit(_functional.wait_tensor.default, across)
+
+    def averaged(value: Any) -> Any:
+        return value if op == "avg" else emit(aten.div.Tensor, value, grad_divisor)
+
+    if strategy == "optim":
+        # Average the whole gradient, then view this rank's rows: every rank keeps the
+        # whole averaged gradient (ZeRO-1 shards only the optimizer state).
+        mine = emit(aten.slice.Tensor, averaged(whole), 0, rows * rank, rows * rank + shard_rows)
+    else:
+        mine = averaged(first_rows(emit, whole, shard_rows))
+    return _cast(emit, mine, shard_dtype)
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
@@ -138,16 +249,13 @@ def unshard(
     The cast comes first so the wire carries ``param_dtype`` (bf16 under mixed precision). The
     remaining arguments are for the backward (see the module docstring).
     """
-    local = shard.to(param_dtype)
-    if strategy not in GATHERING_STRATEGIES:
-        return local.clone() if local is shard else local
-    group = _resolve_process_group(group_name)
-    world = group.size()
-    rows = padded_rows(global_rows, world)
-    piece = pad_rows(local, rows).contiguous()
-    gathered = piece.new_empty((rows * world, *shard.shape[1:]))
-    _all_gather(gathered, piece, group=group)
-    return gathered[:global_rows]
+    world = _resolve_process_group(group_name).size()
+    gathers = strategy in GATHERING_STRATEGIES
+    full = gathered(
+        RUN, shard, param_dtype=param_dtype, gathers=gathers, world=world, global_rows=global_rows, group_name=group_name
+    )
+    # A custom op returns no alias of its input: no_shard in the stored dtype copies.
+    return full.clone() if full is shard else full
 
 
 @unshard.register_fake
@@ -178,29 +286,21 @@ def reduce_grad(
     in the collective).
     """
     group = _resolve_process_group(group_name)
-    world = group.size()
-    averages = gradient_reduce_op(group_name, replicate_group_name, grad_divisor, reduce_dtype) == "avg"
-    op = dist.ReduceOp.AVG if averages else dist.ReduceOp.SUM
-    grad = full_grad.to(reduce_dtype)
-    if pending is not None:
-        grad = grad + pending
-    if strategy in SCATTERING_STRATEGIES:
-        rows = padded_rows(full_grad.shape[0], world)
-        padded = pad_rows(grad, rows * world).contiguous()
-        reduced = padded.new_empty((rows, *full_grad.shape[1:]))
-        _reduce_scatter(reduced, padded, op=op, group=group)
-        first = 0
-    else:
-        reduced = grad.contiguous().clone() if grad is full_grad else grad.contiguous()
-        dist.all_reduce(reduced, op=op, group=group)
-        first = padded_rows(full_grad.shape[0], world) * group.rank() if strategy == "optim" else 0
-    if replicate_group_name:
-        dist.all_reduce(reduced, op=op, group=_resolve_process_group(replicate_group_name))
-    if not averages:
-        # Divide before taking the rows: for ``optim`` the rows stay a view of the whole
-        # averaged gradient, which every rank keeps (ZeRO-1 shards only the optimizer state).
-        reduced.div_(grad_divisor)
-    return reduced[first : first + shard_rows].to(shard_dtype)
+    return reduced(
+        RUN,
+        full_grad,
+        pending,
+        strategy=strategy,
+        reduce_dtype=reduce_dtype,
+        shard_dtype=shard_dtype,
+        op=gradient_reduce_op(group_name, replicate_group_name, grad_divisor, reduce_dtype),
+        world=group.size(),
+        rank=group.rank(),
+        shard_rows=shard_rows,
+        grad_divisor=grad_divisor,
+        group_name=group_name,
+        replicate_group_name=replicate_group_name,
+    )
 
 
 @reduce_grad.register_fake

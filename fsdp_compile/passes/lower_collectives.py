@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import fx
 
 from fsdp_compile.node_meta import AMAX, CARRIES, FLOAT8_SCALE, PARAM_ID, UNPACKED
 from fsdp_compile import float8
 from fsdp_compile.fx_utils import call, finish, inline_traced, inserting
+from fsdp_compile.ops import first_rows, gathered, pad_rows, reduced
 from fsdp_compile.patterns import (
     ALL_GATHER,
     ALL_REDUCE,
-    REDUCE_SCATTER,
     WAIT,
     is_all_reduce,
     is_float8_cast,
@@ -29,36 +31,26 @@ from fsdp_compile.plan import ParamPlan, Plan
 aten = torch.ops.aten
 
 
-def _pad_rows(graph: fx.Graph, node: fx.Node, rows: int) -> fx.Node:
-    missing = rows - node.meta["val"].shape[0]
-    if missing == 0:
-        return node
-    ndim = node.meta["val"].ndim
-    # constant_pad_nd lists (before, after) pairs from the last dim back to dim 0.
-    return call(graph, aten.constant_pad_nd.default, node, [0, 0] * (ndim - 1) + [0, missing])
+@dataclass(frozen=True)
+class _IntoGraph:
+    """Inserts each op of the marker arithmetic at the graph's insert point (NOTE: one marker
+    arithmetic, in fsdp_compile/ops.py)."""
 
+    graph: fx.Graph
 
-def _first_rows(graph: fx.Graph, node: fx.Node, rows: int) -> fx.Node:
-    if node.meta["val"].shape[0] == rows:
-        return node
-    return call(graph, aten.slice.Tensor, node, 0, 0, rows)
+    def __call__(self, op, *args) -> fx.Node:
+        return call(self.graph, op, *args)
 
-
-def _cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
-    if node.meta["val"].dtype == dtype:
-        return node
-    return call(graph, torch.ops.prims.convert_element_type.default, node, dtype)
+    def val(self, node: fx.Node) -> torch.Tensor:
+        return node.meta["val"]
 
 
 def _lower_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
-    # Cast before padding and gathering: the wire carries param_dtype.
-    shard = _cast(graph, marker.args[0], param.sharding.param_dtype)
-    if not param.gathers:
-        return shard
-    padded = _pad_rows(graph, shard, param.padded_rows)
-    gathered = call(graph, ALL_GATHER, padded, param.sharding.world, param.sharding.group_name)
-    waited = call(graph, WAIT, gathered)
-    return _first_rows(graph, waited, param.sharding.global_shape[0])
+    sharding = param.sharding
+    return gathered(
+        _IntoGraph(graph), marker.args[0], param_dtype=sharding.param_dtype, gathers=param.gathers,
+        world=sharding.world, global_rows=sharding.global_shape[0], group_name=sharding.group_name,
+    )  # fmt: skip
 
 
 def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> None:
@@ -68,7 +60,8 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
     assert casts and all(is_float8_cast(c) for c in casts), f"float8 weight {param.fqn} read uncast"
     _, dtype, round_scales = casts[0].args
     # Padding rows are zeros: they leave the max alone, and give an empty shard a max.
-    padded = _pad_rows(graph, marker.args[0], param.padded_rows)
+    into = _IntoGraph(graph)
+    padded = pad_rows(into, marker.args[0], param.padded_rows)
 
     def reduce_amax(local: fx.Node) -> fx.Node:
         reduction = call(graph, ALL_REDUCE, local, "max", param.sharding.group_name)
@@ -84,9 +77,9 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
         node.meta[FLOAT8_SCALE] = True
     data = inline_traced(graph, lambda t, s: float8.cast(t, s, dtype), padded, scale)
     # gloo and NCCL move no float8 type: the bytes travel as uint8.
-    gathered = call(graph, ALL_GATHER, call(graph, aten.view.dtype, data, torch.uint8), param.sharding.world, param.sharding.group_name)
-    gathered.meta[CARRIES] = dtype
-    rows = _first_rows(graph, call(graph, WAIT, gathered), param.sharding.global_shape[0])
+    gather = call(graph, ALL_GATHER, call(graph, aten.view.dtype, data, torch.uint8), param.sharding.world, param.sharding.group_name)
+    gather.meta[CARRIES] = dtype
+    rows = first_rows(into, call(graph, WAIT, gather), param.sharding.global_shape[0])
     full = call(graph, aten.view.dtype, rows, dtype)
     for cast in casts:
         for item in list(cast.users):
@@ -96,38 +89,13 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
 
 
 def _lower_reduce_grad(graph: fx.Graph, marker: fx.Node, param: ParamPlan) -> fx.Node:
-    grad, pending = marker.args[0], marker.args[1]
-    dtype = param.sharding.reduce_dtype
-    if pending is not None:  # the micro-batches accumulated without sync
-        grad = call(graph, aten.add.Tensor, _cast(graph, grad, dtype), pending)
-    # The collectives average, or sum and a division follows, as the plan says and the eager
-    # marker does (NOTE: averaging in the collective, in fsdp_compile/ops.py).
-    op, group_name = param.reduce_op, param.sharding.group_name
-    if param.scatters:
-        # Cast last, as the collective's input: a pack (pack_in_reduce_dtype) or a bucket's
-        # copy-in (bucket_collectives) takes it over and casts as it copies.
-        padded = _cast(graph, _pad_rows(graph, grad, param.padded_rows * param.sharding.world), dtype)
-        reduced = call(graph, REDUCE_SCATTER, padded, op, param.sharding.world, group_name)
-    else:
-        reduced = call(graph, ALL_REDUCE, _cast(graph, grad, dtype), op, group_name)
-    reduced = call(graph, WAIT, reduced)
-    if param.sharding.replicate_group_name:
-        reduced = call(graph, WAIT, call(graph, ALL_REDUCE, reduced, op, param.sharding.replicate_group_name))
-    if param.sharding.strategy == "optim":
-        # Average the whole gradient, then view this rank's rows: every rank keeps the whole
-        # averaged gradient (ZeRO-1), as the eager marker does.
-        averaged = _averaged(graph, reduced, param)
-        first = param.padded_rows * param.rank
-        mine = call(graph, aten.slice.Tensor, averaged, 0, first, first + param.shard_rows)
-    else:
-        mine = _averaged(graph, _first_rows(graph, reduced, param.shard_rows), param)
-    return _cast(graph, mine, param.dtype)
-
-
-def _averaged(graph: fx.Graph, reduced: fx.Node, param: ParamPlan) -> fx.Node:
-    if param.reduce_op == "avg":
-        return reduced
-    return call(graph, aten.div.Tensor, reduced, param.sharding.grad_divisor)
+    sharding = param.sharding
+    return reduced(
+        _IntoGraph(graph), marker.args[0], marker.args[1], strategy=sharding.strategy,
+        reduce_dtype=sharding.reduce_dtype, shard_dtype=param.dtype, op=param.reduce_op, world=sharding.world,
+        rank=param.rank, shard_rows=param.shard_rows, grad_divisor=sharding.grad_divisor,
+        group_name=sharding.group_name, replicate_group_name=sharding.replicate_group_name,
+    )  # fmt: skip
 
 
 def _flat_copies(marker: fx.Node) -> list[fx.Node]:
