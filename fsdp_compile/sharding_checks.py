@@ -87,8 +87,9 @@ def check_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, expert_par
         )
     if expert_parallel:
         raise UsageError(
-            f"parameter {name!r} is a tensor-parallel DTensor: expert parallelism and tensor "
-            "parallelism in one model are not built yet."
+            f"parameter {name!r} is a tensor-parallel DTensor and expert_mesh is given: expert "
+            "parallelism and tensor parallelism in one model are not built yet. Shard with one "
+            "of them: leave expert_mesh out, or leave the model unsplit by parallelize_module."
         )
     for name, param in placed:
         _check_one_tensor_parallel(name, param, mesh)

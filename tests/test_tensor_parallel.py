@@ -243,6 +243,20 @@ def test_tensor_parallel_misuse_is_refused_before_any_collective(mistake):
 
 
 @pytest.mark.structure
+def test_expert_and_tensor_parallelism_in_one_model_are_refused_before_any_collective():
+    """Not built yet, so refused whatever the meshes (overlapping or not): docs/misuse.md,
+    row 48."""
+    from harness import build_model, moe_config
+
+    with fake_process_group(DP * TP):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        model = build_model(moe_config(fused=False))
+        parallelize_module(model, mesh["tp"], {"head": ColwiseParallel()})
+        with pytest.raises(UsageError, match="expert parallelism and tensor parallelism .* leave expert_mesh out"):
+            fully_shard(model, mesh=mesh["dp"], expert_mesh=fsdp_compile.expert_mesh("cpu", 2))
+
+
+@pytest.mark.structure
 def test_fully_shard_before_parallelize_module_is_refused_by_torch_before_any_collective():
     """The FSDP2 order is tensor parallelism first. The other order stops in
     ``parallelize_module`` itself, on every rank and before any collective: torch will not
