@@ -11,6 +11,22 @@ NOTE: structure before guards
     (``body_for``, run while tracing), with a code object, a frame cache and a traced
     output layout of its own, and Dynamo's guards only ever choose among blocks alike in
     structure.
+
+NOTE: tensor-parallel blocks
+    A block split by ``parallelize_module`` is a body like any other. Its tensor-parallel
+    weights are gathered over the data-parallel dimension in the step's graph, as every
+    weight is, and the body reads each as the DTensor tensor parallelism made
+    (``DTensor.from_local`` on the tensor-parallel mesh, from constants of the recipe: the
+    mesh, placements, shape and stride). The styles' forward hooks and pre-hooks
+    (``distribute_module``'s) run in the body, traced, where they turn inputs into DTensors
+    and outputs back: they are not recorded for the step to replay (NOTE: hooks inside a
+    repeated block, in side_outputs.py), which could not replace an input or output. So the
+    tensor-parallel collectives are the body's, as an expert all-to-all is. What those hooks
+    close over (the style's function and layouts, the mesh) is part of the structure: layers
+    split alike share one body, layers split otherwise get one each. Two cases stay inline:
+    a call given a DTensor (sequence parallelism's residual stream: the block op takes plain
+    tensors), and a module holding tensor parallelism's hooks and others (the body cannot run
+    the one kind and record the other on one module).
 """
 
 from __future__ import annotations
@@ -21,11 +37,18 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fsdp_compile.flat_params import note_graded
 from fsdp_compile.region_tables import NOT_OPENED, call_layout_of, recipe_of
-from fsdp_compile.side_outputs import SideChannel, hook_counts, put_back_hooks, recording_hooks
+from fsdp_compile.side_outputs import (
+    SideChannel,
+    hook_counts,
+    put_back_hooks,
+    recording_hooks,
+    tensor_parallel_signature,
+)
 
 
 def _stored_in(block: nn.Module, owners, weights, args, kwargs):
@@ -103,7 +126,7 @@ def _body_arguments(layout: str, recipe: str, leaves: tuple, copied_out: bool) -
     weights: each flat whole, or with ``copied_out`` its members (padded) one by one, then
     the parameters on their own."""
     n_args, names, widths = call_layout_of(layout)
-    unpacks, slots, owners, _ = recipe_of(recipe)
+    unpacks, slots, owners, _, reads = recipe_of(recipe)
     members, copies, at = [], [], 0
     for unpack, trims in unpacks:
         if copied_out:
@@ -122,7 +145,15 @@ def _body_arguments(layout: str, recipe: str, leaves: tuple, copied_out: bool) -
         else:
             values.append(tuple(leaves[at : at + width]))
             at += width
-    return owners, [members[i] for i in slots], tuple(values[:n_args]), dict(zip(names, values[n_args:])), copies
+    weights = [members[i] if read is None else _tensor_parallel(members[i], *read) for i, read in zip(slots, reads)]
+    return owners, weights, tuple(values[:n_args]), dict(zip(names, values[n_args:])), copies
+
+
+def _tensor_parallel(piece: torch.Tensor, mesh, placements: tuple, shape: tuple, stride: tuple) -> DTensor:
+    """A tensor-parallel weight as its block reads it: this rank's piece, gathered over the
+    data-parallel dimension, as the DTensor ``parallelize_module`` made (NOTE:
+    tensor-parallel blocks)."""
+    return DTensor.from_local(piece, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def structure(block: nn.Module) -> tuple:
@@ -138,6 +169,7 @@ def structure(block: nn.Module) -> tuple:
             module.training,
             tuple(id(hook) for hooks in (module._backward_pre_hooks, module._backward_hooks) for hook in hooks.values()),
             hook_counts(module) if path else (),
+            tensor_parallel_signature(module),
             tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in module._parameters.items() if t is not None),
             tuple((n, tuple(t.shape), t.dtype) for n, t in module._buffers.items() if t is not None),
         )

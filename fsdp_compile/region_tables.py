@@ -58,21 +58,32 @@ def gather_recipe(block_key: int) -> tuple:
 
 # How gathered values become a block's parameters: per flat, ``split_gathered``'s arguments and
 # the rows each member keeps; the body's weights as indices into the members and the parameters
-# on their own; the owners those weights go to. The same for every block of one structure and
-# sharding, so a body's frame sees one value. Append-only; read by key (``_key_in``).
+# on their own; the owners those weights go to; the modules whose hooks the body records; per
+# weight, the tensor-parallel DTensor it is read as (NOTE: tensor-parallel blocks, in
+# region_body.py), else None. The same for every block of one structure and sharding, so a
+# body's frame sees one value. Append-only; read by key (``_key_in``).
 RECIPES: list[tuple] = []
 
 
 def _recipe_key(block: nn.Module) -> str:
     layout: RegionLayout = block._mfsdp_region
     flats = block._mfsdp_region_flats.values()
+    paths = layout.paths()
     recipe = (
         tuple((f._mfsdp_layout.unpack_args(shard_info(f).param_dtype), f._mfsdp_layout.trims()) for f in flats),
         layout.slots,
         tuple((tuple(path.split(".")) if path else (), names) for path, names in layout.owners),
         hooked_modules(block),
+        tuple(_tensor_parallel_read(param_at(block, paths[i])) for i in layout.slots),
     )
     return _key_in(RECIPES, recipe)
+
+
+def _tensor_parallel_read(param: nn.Parameter) -> tuple | None:
+    """A tensor-parallel weight's DTensor as (mesh, placements, shape, stride): constants a
+    body's frame reads (``assume_constant_result`` hands back plain tuples and meshes)."""
+    read = shard_info(param).tensor_parallel
+    return None if read is None else (read.mesh, read.placements, read.shape, read.stride)
 
 
 def _key_in(table: list, value: object) -> str:

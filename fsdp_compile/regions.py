@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_compile import hf
 from fsdp_compile.backend import compiling_backend
@@ -65,7 +66,7 @@ from fsdp_compile.region_tables import (
     opened_at,
     param_at,
 )
-from fsdp_compile.side_outputs import replay, stand_in_leaves
+from fsdp_compile.side_outputs import mixes_tensor_parallel_hooks, replay, stand_in_leaves
 
 __all__ = ["install_regions", "is_region", "RegionLayout"]
 
@@ -105,6 +106,10 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     passable = all(map(_passable, constants))
     if not passable and torch.compiler.is_compiling():
         _say_inline(type(self).__name__, _first_unpassable(tuple(map(type, constants))))
+    if any(map(isinstance, leaves, itertools.repeat(DTensor))):
+        passable = False
+        if torch.compiler.is_compiling():
+            _say_dtensor_inline(type(self).__name__)
     train = torch.is_grad_enabled()
     call, inline = (
         _block_call(self._mfsdp_region_key, layout, recipe, is_tensor, constants, train) if stood_in and passable else (-1, True)
@@ -179,14 +184,27 @@ def _say_inline(block: str, argument: str) -> None:
     )
 
 
-def _say_tensor_parallel_inline(block: str) -> None:
+def _say_tensor_parallel_inline(block: str, module: str) -> None:
     """Said once per block class (Python's warnings keep the first)."""
     warnings.warn(
-        f"repeated {block} blocks hold tensor-parallel parameters: their layers are traced "
-        "inline in the step, as with options={'regional': False}, so compile time grows with "
-        "depth (one compiled body per repeated block does not take tensor-parallel blocks "
-        "yet: their parallelize_module hooks replace inputs and outputs, which a body defers).",
+        f"{module!r} in the repeated {block} blocks has tensor parallelism's hooks and others: "
+        "a block's compiled body runs the former and records the latter, not both on one "
+        "module, so these layers are traced inline in the step, as with "
+        "options={'regional': False}, and compile time grows with depth. Put the other hooks "
+        "on a module without tensor-parallel ones (its parent, a child).",
         stacklevel=3,
+    )
+
+
+@torch._dynamo.assume_constant_result
+def _say_dtensor_inline(block: str) -> None:
+    """Said once per block class (Python's warnings keep the first)."""
+    warnings.warn(
+        f"a repeated {block} is called with a DTensor (sequence parallelism keeps the residual "
+        "stream one): a block's compiled body takes plain tensors, so each such call is traced "
+        "inline in the step, as with options={'regional': False}, and compile time grows with "
+        "depth.",
+        stacklevel=2,
     )
 
 
@@ -239,9 +257,13 @@ _REGION_CLASSES: dict[type, type] = {}
 def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
     """The block's sharded parameters by owner, grouped into flats; None when the block
     cannot be one body: a parameter not sharded by fully_shard, one shared with a module
-    outside the block, a float8 weight, or a tensor-parallel one."""
+    outside the block, a float8 weight, or a module with tensor parallelism's hooks and
+    others."""
     owners, slot_params, path_of = defaultdict(list), [], {}
     for path, owner in block.named_modules():
+        if mixes_tensor_parallel_hooks(owner):
+            _say_tensor_parallel_inline(type(block).__name__, path)
+            return None
         for name, param in owner._parameters.items():
             if param is None:
                 continue
@@ -251,9 +273,6 @@ def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
             # input would need the op to be one torchao's dispatch knows): such a block is
             # traced inline, as with regional=False.
             if info is None or id(param) in shared or info.float8 is not None:
-                return None
-            if info.tensor_parallel is not None:
-                _say_tensor_parallel_inline(type(block).__name__)
                 return None
             owners[path].append(name)
             slot_params.append(param)

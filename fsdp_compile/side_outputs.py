@@ -36,6 +36,7 @@ NOTE: HF caches in a repeated block
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any, Callable
 
 import torch
@@ -45,7 +46,8 @@ from fsdp_compile import hf
 from fsdp_compile.errors import CompileUsageError
 
 __all__ = [
-    "SideChannel", "hook_counts", "hooked_modules", "recording_hooks", "put_back_hooks", "flatten", "replay",
+    "SideChannel", "hook_counts", "hooked_modules", "is_tensor_parallel_hook", "mixes_tensor_parallel_hooks",
+    "tensor_parallel_signature", "recording_hooks", "put_back_hooks", "flatten", "replay",
     "stand_in_leaves", "stand_ins_of", "layer_indices",
 ]
 
@@ -69,12 +71,49 @@ def hook_counts(module: nn.Module) -> tuple:
 
 def hooked_modules(block: nn.Module) -> tuple[tuple[tuple[str, ...], bool, bool], ...]:
     """The modules inside ``block`` (not the block: its hooks run in the step) with forward
-    hooks or pre-hooks, as path parts, and whether any of them takes keyword inputs."""
+    hooks or pre-hooks the body records, as path parts, and whether any of them takes keyword
+    inputs. Tensor parallelism's hooks run in the body (NOTE: tensor-parallel blocks, in
+    region_body.py): a module with only those is not listed."""
     return tuple(
         (tuple(path.split(".")), bool(m._forward_pre_hooks_with_kwargs), bool(m._forward_hooks_with_kwargs))
         for path, m in block.named_modules()
-        if path and (m._forward_pre_hooks or m._forward_hooks)
+        if path and not all(map(is_tensor_parallel_hook, (*m._forward_pre_hooks.values(), *m._forward_hooks.values())))
     )
+
+
+def is_tensor_parallel_hook(hook: Callable) -> bool:
+    """A forward hook or pre-hook torch's ``distribute_module`` installed for a
+    ``parallelize_module`` style: it calls the style's input or output function with the
+    tensor-parallel mesh."""
+    return getattr(hook, "__qualname__", "").startswith("distribute_module.")
+
+
+def mixes_tensor_parallel_hooks(module: nn.Module) -> bool:
+    """Tensor parallelism's hooks and others on one module: the body can neither record them
+    all (tensor parallelism's replace inputs and outputs) nor run them all."""
+    kinds = set(map(is_tensor_parallel_hook, (*module._forward_pre_hooks.values(), *module._forward_hooks.values())))
+    return kinds == {True, False}
+
+
+def tensor_parallel_signature(module: nn.Module) -> tuple:
+    """What ``module``'s tensor-parallel hooks do, for its block's structure: per hook, its code
+    and what it closes over (the style's function and layouts, the mesh). The body traces
+    these hooks; two layers split alike share it, two split otherwise do not."""
+    return tuple(
+        (hook.__code__, tuple(_closed_over(cell.cell_contents) for cell in hook.__closure__ or ()))
+        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+        if is_tensor_parallel_hook(hook)
+    )
+
+
+def _closed_over(value: Any) -> Any:
+    if isinstance(value, functools.partial):
+        value = (value.func, value.args, tuple(sorted(value.keywords.items())))
+    try:
+        hash(value)
+    except TypeError:  # layouts given as a dict (PrepareModuleInput's keyword layouts)
+        return repr(value)
+    return value
 
 
 def recording_hooks(block: nn.Module, hooked: tuple, side: SideChannel) -> list[tuple]:

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard, shard_info
 from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES
-from fsdp_compile.patterns import ALL_GATHER, ALL_GATHER_OUT, ALL_REDUCE, REDUCE_SCATTER
+from fsdp_compile.patterns import ALL_GATHER, ALL_GATHER_OUT, ALL_REDUCE, REDUCE_SCATTER, is_block_call
 from harness import fake_process_group, relative_error, spawn
 
 DIM, HIDDEN, VOCAB, LAYERS, STEPS = 16, 32, 64, 2, 3
@@ -197,8 +197,10 @@ def _groups(graph, *targets) -> list[str]:
 @pytest.mark.structure
 def test_parameters_are_gathered_over_dp_and_the_tensor_parallel_collectives_stay():
     """Traced on the fake process group: each tensor-parallel parameter is sharded over both
-    dimensions and gathered over "dp" only, the gradients are reduced over "dp" only, and the
-    row-parallel all-reduces over "tp" stay in the graphs, one per block forward."""
+    dimensions and gathered over "dp" only, in the step's graph, the gradients are reduced
+    over "dp" only, and the repeated blocks share one compiled body, which holds the
+    row-parallel all-reduce over "tp" (its forward) and the column-parallel input's
+    gradient all-reduce (its backward)."""
     with fake_process_group(DP * TP):
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
         dp, tp = mesh["dp"].get_group().group_name, mesh["tp"].get_group().group_name
@@ -212,7 +214,50 @@ def test_parameters_are_gathered_over_dp_and_the_tensor_parallel_collectives_sta
     gathers = _groups(graph.forward, ALL_GATHER, ALL_GATHER_OUT) + _groups(graph.backward, ALL_GATHER, ALL_GATHER_OUT)
     assert gathers and set(gathers) == {dp}, gathers
     assert set(_groups(graph.backward, REDUCE_SCATTER)) == {dp}, _groups(graph.backward, REDUCE_SCATTER)
-    assert _groups(graph.forward, ALL_REDUCE) == [tp] * LAYERS, _groups(graph.forward, ALL_REDUCE)
+    assert not _groups(graph.forward, ALL_REDUCE) and not _groups(graph.backward, ALL_REDUCE)
+    calls = [n for n in graph.forward.graph.nodes if is_block_call(n)]
+    assert len(calls) == LAYERS, graph.forward.graph
+    ((body,),) = backend.bodies.values()  # one body, compiled once, for both layers
+    assert _groups(body.forward, ALL_REDUCE) == [tp] and _groups(body.backward, ALL_REDUCE) == [tp]
+    assert not _groups(body.forward, ALL_GATHER, ALL_GATHER_OUT) and not _groups(body.backward, REDUCE_SCATTER)
+
+
+@pytest.mark.structure
+def test_layers_split_otherwise_get_bodies_of_their_own():
+    """The same weights' placements and hook counts, other hooks: layer 1's ``up`` hands
+    ``down`` a DTensor, which ``down`` takes as it is. What the styles' hooks close over is
+    part of a block's structure (NOTE: tensor-parallel blocks), so the layers are told apart
+    before Dynamo's guards, as for every hook (NOTE: structure before guards): a body each,
+    compiled once each."""
+    with fake_process_group(DP * TP):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = _Model()
+        parallelize_module(model.layers[0], mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        plan = {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel(input_layouts=Shard(-1))}
+        parallelize_module(model.layers[1], mesh["tp"], plan)
+        fully_shard(model, mesh=mesh["dp"])
+        backend = MfsdpBackend(compiler="eager")
+        _loss(torch.compile(model, backend=backend), _batch(0, 0)).backward()
+    assert len(backend.bodies) == 2 and all(len(graphs) == 1 for graphs in backend.bodies.values())
+
+
+@pytest.mark.structure
+def test_blocks_called_with_a_dtensor_are_traced_inline_and_say_so():
+    """Sequence parallelism hands each layer its residual stream as a DTensor, which a body's
+    block op cannot take: the layers are traced inline (no block call in the step) and the
+    user is told once why."""
+    pytest.importorskip("transformers")
+    with fake_process_group(DP * TP):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        model = _hf_llama()
+        _hf_sequence_parallel(model, mesh["tp"])
+        fully_shard(model, mesh=mesh["dp"])
+        backend = MfsdpBackend(compiler="eager")
+        with pytest.warns(UserWarning, match="called with a DTensor .* traced inline"):
+            _hf_loss(torch.compile(model, backend=backend), _batch(0, 0)).backward()
+    (graph,) = backend.graphs
+    assert not any(is_block_call(n) for n in graph.forward.graph.nodes) and not backend.bodies
 
 
 @pytest.mark.structure
