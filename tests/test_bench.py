@@ -107,6 +107,57 @@ def test_hf_preset_as_one_rank_of_a_fake_world(tmp_path):
 
 
 @pytest.mark.structure
+def test_tensor_parallel_bench_splits_both_modes_alike(tmp_path):
+    """``--fake-world 4 --tp 2``: rank 0 of dp 2 x tp 2, each decoder layer split by
+    transformers' plan in FSDP2 + per-block compile and in mfsdp alike. A mode that split
+    otherwise, or read another rank's batch, would start from another loss; both show the
+    same gathers and reductions over "dp" as without --tp, and the same tensor-parallel
+    all-reduces over "tp" (FSDP itself runs none), each counted where the mode runs them:
+    per layer, forward, the outputs of o_proj and down_proj (row-parallel), backward, the
+    input gradients of q, k, v, gate and up (column-parallel)."""
+    pytest.importorskip("transformers")
+    document = _run_bench(
+        tmp_path / "bench.json", preset="hf-llama-tiny", modes=("fsdp2-compile", "mfsdp"),
+        where=("--fake-world", "4", "--tp", "2"),
+    )
+    assert document["layout"] == {"dp": 2, "tp": 2}
+    fsdp2, mfsdp = document["results"]
+    for kind, count in (("all_gather", 5), ("reduce_scatter", 3), ("all_reduce", 2 * (2 + 5))):
+        assert mfsdp["collectives"][kind] == fsdp2["collectives"][kind] == count, (kind, fsdp2, mfsdp)
+    # What mfsdp's compiled graphs hold is what its step dispatched.
+    assert mfsdp["profiled_collectives"]["all_reduce"] == mfsdp["collectives"]["all_reduce"]
+    assert mfsdp["collectives"]["counted_by"].startswith("compiled graphs")
+    assert abs(mfsdp["loss_step0"] - fsdp2["loss_step0"]) < 1e-4 * abs(fsdp2["loss_step0"]), (fsdp2, mfsdp)
+    # A rank's share of the job: its tensor-parallel group shares the 2 x 32 tokens.
+    assert mfsdp["tokens_per_step"] == 32
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--tp", "2"], "--tp 2 needs --fake-world W with W a multiple of 2"),
+        (["--fake-world", "6", "--tp", "4"], "--tp 4 needs --fake-world W with W a multiple of 4"),
+        (["--fake-world", "4", "--tp", "0"], "--tp must be a number of tensor-parallel ranks"),
+        (["--preset", "tiny", "--fake-world", "4", "--tp", "2"], "fused wqkv"),
+        (["--preset", "hf-mixtral-tiny", "--fake-world", "4", "--tp", "2"], "expert and tensor parallelism"),
+        (["--fake-world", "8", "--tp", "4"], "pick a --tp that divides 2"),
+        (["--fake-world", "4", "--tp", "2", "--float8", "on"], "drop one"),
+        (["--fake-world", "4", "--tp", "2", "--emulate-link", "nvlink"], "drop --emulate-link"),
+    ],
+)
+def test_tensor_parallel_bench_refuses_what_it_cannot_split_and_names_the_fix(argv, says, capsys):
+    """``--tp`` without a fake world to be one rank of, a world it does not divide, a preset
+    with no honest plan (fused qkv; experts; heads that do not divide), float8 weights and
+    the emulated link's one group are refused before anything is built."""
+    from fsdp_compile.bench.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "hf-llama-tiny", "--device", "cpu", *argv])
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.structure
 def test_second_bench_run_over_a_compile_cache_is_a_restart(tmp_path):
     """``--compile-cache DIR``: each mode compiles in a folder of its own inside DIR with the
     caches on, so a second run over DIR loads every graph the first compiled, as a restart

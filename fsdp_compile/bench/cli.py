@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 8 -m fsdp_compile.bench --preset 1b         # GPUs: nccl
     python -m fsdp_compile.bench --preset hf-llama-8b --fake-world 8      # one rank of 8
     python -m fsdp_compile.bench --preset hf-llama-8b --fake-world 64 --emulate-link ib
+    python -m fsdp_compile.bench --preset hf-llama-8b --fake-world 8 --tp 2  # one rank of dp 4 x tp 2
 
 Launched by torchrun (RANK and WORLD_SIZE set) it runs in those ranks; otherwise it spawns
 ``--world-size`` ranks on 127.0.0.1 itself (gloo on CPU, nccl with one GPU each). Rank 0 prints
@@ -38,7 +39,7 @@ from fsdp_compile.bench.modes import (
     skip_reason,
     warm_up_process,
 )
-from fsdp_compile.bench.presets import PRESETS
+from fsdp_compile.bench.presets import PRESETS, tensor_parallel_refusal
 from fsdp_compile.bench.report import (
     add_derived,
     baseline_mode,
@@ -64,6 +65,9 @@ class BenchConfig:
     emulate_link: str = ""
     """With --fake-world: collectives take their modeled time on this link, "nvlink" or "ib"
     (fsdp_compile/bench/emulated_link.py); empty: they take none."""
+    tp: int = 1
+    """With --fake-world W: tensor-parallel ranks, the world a (W / tp, tp) mesh of ("dp",
+    "tp"), each decoder layer split over "tp" by the preset's plan in every mode; 1: none."""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     batch: int = 4
     """Sequences per rank per step."""
@@ -108,6 +112,7 @@ class BenchConfig:
             seed=self.seed,
             compile_cache=self.compile_cache,
             memory_sites=self.memory_sites,
+            tp=self.tp,
         )
 
 
@@ -151,11 +156,34 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             "(torch.cuda.memory._record_memory_history); a CPU run has none, and its peak "
             "memory is the process's resident set"
         )
-    if bench.float8 == "on":
-        check_float8_available()
     if bench.emulate_link and not bench.fake_world:
         parser.error("--emulate-link needs --fake-world N: it emulates the link of one rank of N")
+    if bench.tp != 1:
+        _check_tensor_parallel(parser, bench)
+    if bench.float8 == "on":
+        check_float8_available()
     return bench
+
+
+def _check_tensor_parallel(parser: argparse.ArgumentParser, bench: BenchConfig) -> None:
+    """``--tp`` runs where tensor parallelism composes with every mode, or says what to change."""
+    if bench.tp < 1:
+        parser.error("--tp must be a number of tensor-parallel ranks, 1 for none")
+    if not bench.fake_world or bench.fake_world % bench.tp:
+        parser.error(
+            f"--tp {bench.tp} needs --fake-world W with W a multiple of {bench.tp}: the run is one "
+            f"rank of a (W / {bench.tp}) x {bench.tp} dp x tp job"
+        )
+    refusal = tensor_parallel_refusal(PRESETS[bench.preset], bench.tp)
+    if refusal:
+        parser.error(f"--tp cannot split preset {bench.preset}: {refusal}")
+    if bench.float8 == "on":
+        parser.error("--tp with --float8 on: float8 weights split by tensor parallelism are not built; drop one")
+    if bench.emulate_link:
+        parser.error(
+            "--tp with --emulate-link: the emulated link models one group, not a dp and a tp group "
+            "on links of their own; drop --emulate-link"
+        )
 
 
 def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: BenchConfig):
@@ -186,6 +214,7 @@ def run_rank(rank: int, world: int, local_rank: int, init_method: str, bench: Be
             add_derived(results, peak_tflops(machine, bench.param_dtype))
             return {
                 "machine": machine,
+                "layout": {"dp": world // bench.tp, "tp": bench.tp},
                 "baseline": baseline_mode(results),
                 "config": asdict(bench),
                 "process_warmup_s": process_warmup_s,

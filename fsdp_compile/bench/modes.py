@@ -1,7 +1,9 @@
 """One bench mode, built and run: the same model, seed, data and AdamW, sharded seven ways.
 
 HF presets are built on the meta device, sharded, then materialised (each rank draws its
-own shards, the same in every mode); the others are built whole from the seed first.
+own shards, the same in every mode); the others are built whole from the seed first. With
+``tp`` > 1 every mode first splits each decoder layer by the preset's tensor-parallel plan on
+the "tp" dimension of a (dp, tp) mesh, then shards over "dp".
 
 - ``eager``: ``fully_shard(model)`` called directly (our markers run real collectives);
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each block, then on the root;
@@ -57,7 +59,8 @@ from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 from torch._inductor.utils import _set_env, fresh_cache
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import ProfilerActivity, profile
 
 try:
@@ -75,7 +78,15 @@ from fsdp_compile.bench.comms import (
 )
 from fsdp_compile.bench.emulated_link import EmulatedLinkGroup
 from fsdp_compile.bench.memory import AllocationSites, PeakMemory
-from fsdp_compile.bench.presets import PRESETS, HFPreset, blocks, build, materialize, train_flops
+from fsdp_compile.bench.presets import (
+    PRESETS,
+    HFPreset,
+    blocks,
+    build,
+    layer_tp_plan,
+    materialize,
+    train_flops,
+)
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_extra_missing
 from fsdp_compile.testing.models import make_batch, train_step_fn
@@ -107,6 +118,8 @@ class RunConfig:
     each mode compiles cold); empty: a fresh folder per mode, the caches off."""
     memory_sites: int = 0
     """CUDA: report this many allocation sites of each mode (``AllocationSites``); 0: off."""
+    tp: int = 1
+    """Tensor-parallel ranks: the world is a (world / tp, tp) mesh of ("dp", "tp"); 1: none."""
 
 
 # torch's compile counters that say whether a graph was compiled or loaded:
@@ -191,7 +204,7 @@ def _build(mode: str, run: RunConfig, device: torch.device):
         convert_linears_to_float8(model)
     if not isinstance(preset, HFPreset):
         model = model.to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = _data_parallel_mesh(model, run, device)
     backend = None
     if mode in ("fsdp2", "fsdp2-compile"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -223,9 +236,25 @@ def _build(mode: str, run: RunConfig, device: torch.device):
     return model, forward, backend
 
 
+def _data_parallel_mesh(model: nn.Module, run: RunConfig, device: torch.device) -> DeviceMesh:
+    """The mesh a mode shards over: the world, or with ``run.tp`` > 1 the "dp" dimension of a
+    (dp, tp) mesh, each decoder layer split over "tp" first (``layer_tp_plan``), as FSDP2
+    users split before ``fully_shard``."""
+    world = dist.get_world_size()
+    if run.tp == 1:
+        return init_device_mesh(device.type, (world,))
+    mesh = init_device_mesh(device.type, (world // run.tp, run.tp), mesh_dim_names=("dp", "tp"))
+    plan = layer_tp_plan(model)
+    for block in blocks(model):
+        parallelize_module(block, mesh["tp"], plan)
+    return mesh["dp"]
+
+
 def _batches(run: RunConfig, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Warm-up batch, profiled batch, then one per timed step; this rank's share of each."""
-    preset, rank = PRESETS[run.preset], dist.get_rank()
+    """Warm-up batch, profiled batch, then one per timed step; this data-parallel rank's
+    share of each, which the ranks of its tensor-parallel group all read (the mesh is
+    row-major: rank = dp rank x tp + tp rank)."""
+    preset, rank = PRESETS[run.preset], dist.get_rank() // run.tp
     made = (make_batch(preset, run.batch, run.seq, step, rank) for step in range(run.steps + 2))
     return [(tokens.to(device), targets.to(device)) for tokens, targets in made]
 
@@ -282,13 +311,14 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
         "loss_step0": float(first_loss),
         "final_loss": float(loss),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-        "tokens_per_step": run.batch * run.seq,
+        # The job's tokens per step over its ranks: a tensor-parallel group shares its batch.
+        "tokens_per_step": run.batch * run.seq / run.tp,
         # Measured where the emulated link can see it: the time a CPU step blocked in waits.
         "exposed_comm_ms": (
             1e3 * statistics.median(exposed)
             if emulated and device.type == "cpu" else None
         ),
-        "model_tflops_per_step": train_flops(PRESETS[run.preset], run.batch, run.seq) / 1e12,
+        "model_tflops_per_step": train_flops(PRESETS[run.preset], run.batch, run.seq, run.tp) / 1e12,
         "profiled_collectives": profiled,
         "profiled_kernels": kernel_census(prof, profiled_ms) if device.type == "cuda" else None,
         "attention_ops": attention_op_census(prof),

@@ -8,7 +8,9 @@ Llama 3.2 1B, Llama 3 8B and Llama 3 70B shapes, ``hf-mixtral-2b`` a Mixtral of 
 8 experts (top 2), and ``hf-llama-tiny``, ``hf-llama-small`` and ``hf-mixtral-tiny`` the same
 families at CPU sizes.
 HF presets are built on the meta device and materialised after sharding, each rank
-allocating only its shard (a 70B shape never exists whole on one device).
+allocating only its shard (a 70B shape never exists whole on one device). The Llama ones can
+be split by tensor parallelism (``layer_tp_plan``); ``tensor_parallel_refusal`` says why the
+others cannot.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from fsdp_compile.testing.models import Transformer, TransformerConfig
 
@@ -122,6 +125,37 @@ def blocks(model: nn.Module) -> nn.ModuleList:
     return model.model.layers if hasattr(model, "model") else model.layers
 
 
+def tensor_parallel_refusal(preset: Preset, tp: int) -> str | None:
+    """Why ``--tp`` cannot split ``preset`` over ``tp`` ranks, naming the fix; None when
+    ``layer_tp_plan`` can."""
+    if isinstance(preset, TransformerConfig):
+        return (
+            "the test Transformer has no tensor-parallel plan: its fused wqkv split by columns "
+            "would hand each rank a mix of q, k and v rows, not whole heads; use an hf-llama-* preset"
+        )
+    if preset.family != "Llama":
+        return (
+            "expert and tensor parallelism in one model are not built (fully_shard refuses "
+            "them); use an hf-llama-* preset"
+        )
+    kv_heads = preset.config["num_key_value_heads"]
+    if kv_heads % tp:
+        # A column-parallel k or v projection would hand a rank part of a head.
+        return f"its {kv_heads} key-value heads do not divide over {tp} ranks; pick a --tp that divides {kv_heads}"
+    return None
+
+
+def layer_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """Each decoder layer's split: transformers' own plan for the model (the ``layers.*.``
+    entries of ``config.base_model_tp_plan``), "colwise" and "rowwise" as torch's styles."""
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    return {
+        name.removeprefix("layers.*."): styles[style]()
+        for name, style in model.config.base_model_tp_plan.items()
+        if name.startswith("layers.*.")
+    }
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate a meta-built, sharded model on ``device`` and initialise it: each rank draws
@@ -144,12 +178,14 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
                 setattr(module, name, buffer.to(device))
 
 
-def train_flops(preset: Preset, batch: int, seq: int) -> int:
+def train_flops(preset: Preset, batch: int, seq: int, tp: int = 1) -> int:
     """Model FLOPs of one forward and backward on ``batch`` x ``seq`` tokens, as MFU counts
     them (PaLM's appendix B): 6 per token per active matmul weight, plus 12 x layers x width
     x sequence per token for attention. Active: embedding lookups are not matmuls (the
     output head is, tied or not), and each stacked expert weight counts at
-    ``experts_per_token / experts``. ``torch.utils.flop_counter`` cannot run HF models on
+    ``experts_per_token / experts``. With ``tp`` > 1, one rank's share: ``layer_tp_plan``
+    splits every matmul of the decoder layers and their heads over ``tp`` ranks, not the
+    output head. ``torch.utils.flop_counter`` cannot run HF models on
     the meta device (their masks call ``.item()``), hence the formula."""
     with torch.device("meta"):
         model = build(preset)
@@ -157,9 +193,11 @@ def train_flops(preset: Preset, batch: int, seq: int) -> int:
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     top_k = preset.config.get("num_experts_per_tok", 1) if isinstance(preset, HFPreset) else 1
     experts = preset.config.get("num_local_experts", 1) if isinstance(preset, HFPreset) else 1
+    in_layers = {id(p) for p in blocks(model).parameters()}
     active = head.weight.numel() if id(head.weight) in lookups else 0
     for param in model.parameters():
         if param.ndim >= 2 and id(param) not in lookups and param.requires_grad:
-            active += param.numel() * (top_k / experts if param.ndim == 3 else 1)
+            share = 1 / tp if id(param) in in_layers else 1
+            active += param.numel() * (top_k / experts if param.ndim == 3 else 1) * share
     layers, width = len(blocks(model)), head.weight.shape[1]
-    return int(batch * seq * (6 * active + 12 * layers * width * seq))
+    return int(batch * seq * (6 * active + 12 * layers * width * seq / tp))

@@ -126,9 +126,11 @@ def _row(r: dict) -> tuple:
 def print_report(document: dict) -> None:
     machine, config, results = document["machine"], document["config"], document["results"]
     where = machine["gpu"] or f"{machine['cpu']}, {machine['cpu_cores']} cores"
+    layout = document["layout"]
+    split = f" as dp {layout['dp']} x tp {layout['tp']}" if layout["tp"] > 1 else ""
     print(
         f"\n{where}; torch {machine['torch']}, {machine['process_group']}, "
-        f"world size {machine['world_size']}{' (fake)' if config['fake_world'] else ''}"
+        f"world size {machine['world_size']}{' (fake)' if config['fake_world'] else ''}{split}"
         f"{', emulated ' + config['emulate_link'] + ' link' if config['emulate_link'] else ''}; "
         f"preset {config['preset']}, "
         f"{config['batch']} x {config['seq']} tokens per rank, {config['steps']} timed steps"
