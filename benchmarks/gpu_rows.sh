@@ -3,10 +3,14 @@
 # Llama-3 70B at fake world 64 (1 x 1024) and the Mixtral preset at fake world 8 (1 x 4096),
 # each one process running fsdp2-compile, mfsdp and mfsdp-cudagraph in bf16, 2 warm-up and
 # 5 timed steps; then one table of ratios to fsdp2-compile (fsdp_compile/bench/summary.py).
+# Two tensor-parallel rows (issue #39) run only when ROWS names them: 8B at fake world 8 as
+# dp 4 x tp 2 (1 x 4096) and 70B at fake world 64 as dp 8 x tp 8 (1 x 1024), every mode
+# split by the bench's --tp (their shares would not fit beside the others' in one call).
 #
 #     bash benchmarks/gpu_rows.sh [OUT]          # OUT: default $OUT when set, else a temp dir
 #     bash benchmarks/gpu_rows.sh --smoke [OUT]  # the same rows at tiny presets, on a CPU too
 #     ROWS="8b mixtral" bash benchmarks/gpu_rows.sh [OUT]  # only the rows named
+#     ROWS="8b-tp 70b-tp" bash benchmarks/gpu_rows.sh [OUT]  # the tensor-parallel rows
 #     MODES=fsdp2-compile,mfsdp bash benchmarks/gpu_rows.sh [OUT]  # only the modes named
 #     LINK=nvlink bash benchmarks/gpu_rows.sh [OUT]  # each collective takes its modeled time,
 #         its data copies on a communication stream (the bench's --emulate-link)
@@ -16,7 +20,8 @@
 #
 # Time: the device call that runs this is cut at 10 minutes, so every row is bounded: each has
 # a share of seconds (below) and may also use what earlier rows left unused, never what later
-# rows are guaranteed; all of it, with the summary, is 7 min 20 s at most (5 to 6 expected).
+# rows are guaranteed; all of it, with the summary, is 7 min 20 s at most (5 to 6 expected),
+# the two tensor-parallel rows 8 min 40 s at most.
 # A row that fails or runs out of time is killed, the next one runs, and the summary names
 # the modes that did not finish and why.
 set -uo pipefail
@@ -32,26 +37,37 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-# name preset fake-world batch seq share-seconds. The GPU shares come from the H100 runs of
+# name preset fake-world tp batch seq share-seconds. The GPU shares come from the H100 runs of
 # 2026-11-26 and 27: one-time costs 3-4 s, warm-up 7-11 s for fsdp2-compile and 14-25 s for
 # mfsdp (docs/performance.md, "Compile time"), steps of 0.43 s (8B) and 1.3 s (70B), each mode
 # built and materialised apart; Python's start, the profiled step's kernel trace and capture on top.
+# The tensor-parallel rows' shares are guesses with room: not yet run on a GPU, and mfsdp
+# traces tensor-parallel layers inline, so its compile grows with depth (docs/user_guide.md).
+# The smoke rows split tiny Llama, whose 2 key-value heads take tp 2 at most.
 if ((smoke)); then
     rows=(
-        "8b hf-llama-tiny 8 1 64 150"
-        "70b hf-llama-tiny 64 1 64 150"
-        "mixtral hf-mixtral-tiny 8 1 64 150"
+        "8b hf-llama-tiny 8 1 1 64 150"
+        "70b hf-llama-tiny 64 1 1 64 150"
+        "mixtral hf-mixtral-tiny 8 1 1 64 150"
+    )
+    tp_rows=(
+        "8b-tp hf-llama-tiny 8 2 1 64 150"
+        "70b-tp hf-llama-tiny 64 2 1 64 150"
     )
 else
     rows=(
-        "8b hf-llama-8b 8 1 4096 125"
-        "70b hf-llama-70b 64 1 1024 175"
-        "mixtral hf-mixtral-2b 8 1 4096 95"
+        "8b hf-llama-8b 8 1 1 4096 125"
+        "70b hf-llama-70b 64 1 1 1024 175"
+        "mixtral hf-mixtral-2b 8 1 1 4096 95"
+    )
+    tp_rows=(
+        "8b-tp hf-llama-8b 8 2 1 4096 200"
+        "70b-tp hf-llama-70b 64 8 1 1024 300"
     )
 fi
 if [[ -n "${ROWS:-}" ]]; then
     kept=()
-    for row in "${rows[@]}"; do
+    for row in "${rows[@]}" "${tp_rows[@]}"; do
         [[ " $ROWS " == *" ${row%% *} "* ]] && kept+=("$row")
     done
     rows=("${kept[@]}")
@@ -73,8 +89,8 @@ run_rows() {
     echo "gpu_rows: $(date -u +%FT%TZ), $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo 'no git'), out $out${LINK:+, link $LINK}"
     "$python" -c 'import torch, transformers as t; print("torch", torch.__version__, "transformers", t.__version__)'
     for ((i = 0; i < ${#rows[@]}; i++)); do
-        local name preset world batch seq share limit status
-        read -r name preset world batch seq share <<<"${rows[i]}"
+        local name preset world tp batch seq share limit status
+        read -r name preset world tp batch seq share <<<"${rows[i]}"
         limit=$((deadline - SECONDS - $(later_shares "$i") - grace_s))
         rm -f "$out/$name.json"
         if ((limit < 30)); then
@@ -82,9 +98,9 @@ run_rows() {
             statuses+=("$name=not started: the call's time budget was spent")
             continue
         fi
-        echo "gpu_rows: $name ($preset, fake world $world, $batch x $seq), at most $limit s"
+        echo "gpu_rows: $name ($preset, fake world $world, tp $tp, $batch x $seq), at most $limit s"
         timeout --kill-after="$grace_s" "$limit" "$python" -m fsdp_compile.bench \
-            --preset "$preset" --fake-world "$world" --batch "$batch" --seq "$seq" \
+            --preset "$preset" --fake-world "$world" --tp "$tp" --batch "$batch" --seq "$seq" \
             --param-dtype bfloat16 --modes "${MODES:-fsdp2-compile,mfsdp,mfsdp-cudagraph}" \
             ${LINK:+--emulate-link "$LINK"} --warmup 2 --steps 5 --json "$out/$name.json"
         status=$?

@@ -515,8 +515,8 @@ def test_summary_rows_are_ratios_to_fsdp2_compile_and_name_what_did_not_finish()
 
 
 # Stands in for the device image's python3 in the script's test: the version line and the
-# summary run for real; a bench row copies the document the test left for its preset and
-# world, then exits with the status the test left beside it.
+# summary run for real; a bench row copies the document the test left for its preset, world
+# and tp, then exits with the status the test left beside it.
 _STAND_IN_PYTHON = """\
 import os, runpy, shutil, sys
 from pathlib import Path
@@ -529,7 +529,7 @@ if args[:2] == ["-m", "fsdp_compile.bench.summary"]:
     runpy.run_module("fsdp_compile.bench.summary", run_name="__main__")
     sys.exit(0)
 given = dict(zip(args[2::2], args[3::2]))
-canned = Path(os.environ["CANNED"], f"{given['--preset']}-{given['--fake-world']}")
+canned = Path(os.environ["CANNED"], f"{given['--preset']}-{given['--fake-world']}-tp{given['--tp']}")
 print("bench", " ".join(args[2:]))
 if canned.with_suffix(".json").exists():
     shutil.copy(canned.with_suffix(".json"), given["--json"])
@@ -537,22 +537,13 @@ sys.exit(int(canned.with_suffix(".status").read_text()))
 """
 
 
-@pytest.mark.structure
-def test_gpu_rows_script_runs_every_row_and_reports_the_ones_that_failed(tmp_path):
-    """benchmarks/gpu_rows.sh on stand-ins for the bench (the smoke variant's rows): a row
-    that crashes, or is cut short keeping the modes it finished, does not stop the next one;
-    each row runs once with the modes and settings of the GPU rows, within its time share;
-    the summary says what is missing, the script's status says something failed, and the
-    whole log is in the output folder."""
+def _run_gpu_rows(tmp_path, canned_rows, rows="") -> tuple[subprocess.CompletedProcess, str]:
+    """benchmarks/gpu_rows.sh --smoke (``ROWS=rows`` when given) on stand-ins for the bench:
+    ``canned_rows`` are (preset-world-tp stem, document or None, exit status) the stand-in
+    gives back; the script's run and its log."""
     canned = tmp_path / "canned"
     canned.mkdir()
-    baseline = _mode_result("fsdp2-compile", 500.0, 40 * 1024, 16 * 1024, 10.0)
-    mfsdp = _mode_result("mfsdp", 450.0, 36 * 1024, 16 * 1024, 15.0)
-    for stem, document, status in (
-        ("hf-llama-tiny-8", _bench_document([baseline, mfsdp], skipped={"mfsdp-cudagraph": "needs CUDA"}), 0),
-        ("hf-llama-tiny-64", None, 1),  # crashed before its first mode finished
-        ("hf-mixtral-tiny-8", _bench_document([baseline]), 124),  # timed out in mfsdp
-    ):
+    for stem, document, status in canned_rows:
         if document:
             (canned / f"{stem}.json").write_text(json.dumps(document))
         (canned / f"{stem}.status").write_text(str(status))
@@ -564,19 +555,37 @@ def test_gpu_rows_script_runs_every_row_and_reports_the_ones_that_failed(tmp_pat
     (out / "70b.json").write_text("{}")  # a stale row from an earlier call must not be read
 
     script = Path(__file__).parents[1] / "benchmarks" / "gpu_rows.sh"
-    env = {**os.environ, "PYTHON": str(stand_in), "CANNED": str(canned)}
+    env = {**os.environ, "PYTHON": str(stand_in), "CANNED": str(canned), "ROWS": rows}
     done = subprocess.run(
         ["bash", str(script), "--smoke", str(out)], env=env, capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == 1, done.stdout + done.stderr
     log = (out / "gpu_rows.log").read_text()
     assert log == done.stdout
+    return done, log
+
+
+@pytest.mark.structure
+def test_gpu_rows_script_runs_every_row_and_reports_the_ones_that_failed(tmp_path):
+    """benchmarks/gpu_rows.sh on stand-ins for the bench (the smoke variant's rows): a row
+    that crashes, or is cut short keeping the modes it finished, does not stop the next one;
+    each row runs once with the modes and settings of the GPU rows, within its time share;
+    the summary says what is missing, the script's status says something failed, and the
+    whole log is in the output folder."""
+    baseline = _mode_result("fsdp2-compile", 500.0, 40 * 1024, 16 * 1024, 10.0)
+    mfsdp = _mode_result("mfsdp", 450.0, 36 * 1024, 16 * 1024, 15.0)
+    done, log = _run_gpu_rows(tmp_path, (
+        ("hf-llama-tiny-8-tp1", _bench_document([baseline, mfsdp], skipped={"mfsdp-cudagraph": "needs CUDA"}), 0),
+        ("hf-llama-tiny-64-tp1", None, 1),  # crashed before its first mode finished
+        ("hf-mixtral-tiny-8-tp1", _bench_document([baseline]), 124),  # timed out in mfsdp
+    ))  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
     assert "PYTHONUNBUFFERED 1" in log
     benches = [line for line in log.splitlines() if line.startswith("bench ")]
+    # The tensor-parallel rows run only when ROWS names them.
     assert len(benches) == 3
     for line in benches:
         assert "--modes fsdp2-compile,mfsdp,mfsdp-cudagraph" in line and "--param-dtype bfloat16" in line, line
-        assert "--warmup 2 --steps 5" in line, line
+        assert "--warmup 2 --steps 5" in line and "--tp 1" in line, line
     # Each smoke row's share is 150 s: the first gets its own, the next what the first left too.
     limits = [int(limit) for limit in re.findall(r"^gpu_rows: \w+ \(.*\), at most (\d+) s$", log, re.MULTILINE)]
     assert len(limits) == 3 and 140 <= limits[0] <= 150 and limits[1] >= 280, limits
@@ -584,7 +593,28 @@ def test_gpu_rows_script_runs_every_row_and_reports_the_ones_that_failed(tmp_pat
     assert "8b mfsdp-cudagraph: skipped: needs CUDA" in summary
     assert "70b all: no results: exit 1" in summary
     assert "mixtral mfsdp: not finished: exit 124, timed out" in summary
-    rows = json.loads((out / "summary.json").read_text())
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [(r["row"], r["mode"]) for r in rows if r["status"] == "ok"] == [
         ("8b", "fsdp2-compile"), ("8b", "mfsdp"), ("mixtral", "fsdp2-compile"),
+    ]  # fmt: skip
+
+
+@pytest.mark.structure
+def test_gpu_rows_script_runs_the_tensor_parallel_rows_when_named(tmp_path):
+    """``ROWS="8b-tp 70b-tp"``: the two tensor-parallel rows, each one bench with its --tp
+    (tp 2 in the smoke variant: tiny Llama has 2 key-value heads), summarised as any row."""
+    baseline = _mode_result("fsdp2-compile", 500.0, 40 * 1024, 16 * 1024, 10.0)
+    mfsdp = _mode_result("mfsdp", 450.0, 36 * 1024, 16 * 1024, 15.0)
+    done, log = _run_gpu_rows(tmp_path, (
+        ("hf-llama-tiny-8-tp2", _bench_document([baseline, mfsdp]), 0),
+        ("hf-llama-tiny-64-tp2", _bench_document([baseline, mfsdp]), 0),
+    ), rows="8b-tp 70b-tp")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    benches = [line for line in log.splitlines() if line.startswith("bench ")]
+    assert len(benches) == 2 and all("--tp 2" in line for line in benches), benches
+    assert "--fake-world 8" in benches[0] and "--fake-world 64" in benches[1], benches
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(r["row"], r["mode"], r["step_ratio"]) for r in rows if r["status"] == "ok"] == [
+        ("8b-tp", "fsdp2-compile", 1.0), ("8b-tp", "mfsdp", 0.9), ("70b-tp", "fsdp2-compile", 1.0),
+        ("70b-tp", "mfsdp", 0.9),
     ]  # fmt: skip
