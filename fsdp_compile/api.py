@@ -275,7 +275,9 @@ def _tensor_parallel_shard(
     info = dataclasses.replace(
         _dense_info(local, fqn, unit, strategy, mesh, reshards, mp_policy, None),
         dtensor_shape=tuple(param.shape),
-        tensor_parallel=TensorParallelRead(tp_mesh, tp_placements, tuple(param.shape), param.stride()),
+        tensor_parallel=TensorParallelRead(
+            tp_mesh, tp_placements, tuple(param.shape), param.stride(), tp_mesh.get_group().group_name
+        ),
     )
     piece, dp_placements = local.detach(), [Replicate()] * mesh.ndim
     if strategy in GATHERING_STRATEGIES:  # on an HSDP mesh, over its shard dimension (the last)

@@ -257,6 +257,13 @@ class Plan:
     def trainable(self) -> tuple[ParamPlan, ...]:
         return tuple(p for p in self.params if p.requires_grad)
 
+    @property
+    def tensor_parallel_groups(self) -> frozenset[str]:
+        """The groups tensor parallelism placed the graph's parameters on: the collectives
+        DTensor traced into the graph on them are tensor parallelism's, not ours."""
+        reads = (p.sharding.tensor_parallel for p in self.params)
+        return frozenset(read.group_name for read in reads if read is not None)
+
     def to_json(self) -> str:
         record = {
             "graph_name": self.graph_name,

@@ -90,6 +90,9 @@ class TensorParallelRead:
     placements: tuple
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    group_name: str
+    """The tensor-parallel group: the collectives DTensor traces for this parameter's layer
+    run on it (``explain`` and the simulator count them apart from the data-parallel ones)."""
 
     def read(self, piece: torch.Tensor) -> DTensor:
         return DTensor.from_local(

@@ -1,8 +1,9 @@
-"""What a compiled graph does, in order: its collectives and an estimated two-stream timeline.
+"""What a compiled graph does, in order: its collectives and an estimated timeline.
 
 ``collective_schedule(gm, plan)`` lists every collective of a partitioned graph with its bytes,
 where it is issued, where it is waited on and the compute in between. ``estimate_timeline``
-plays the graph on two streams (compute, communication) with a simple cost model:
+plays the graph on a compute stream and a communication stream per link with a simple
+cost model:
 
 - compute node: FLOPs counted by ``torch.utils.flop_counter`` on the node's fake tensors,
   divided by ``Hardware.flops``; nodes without FLOPs cost the bytes they write at
@@ -10,14 +11,17 @@ plays the graph on two streams (compute, communication) with a simple cost model
 - collective: ring alpha-beta, ``latency * (world - 1) + bytes * (world - 1) / world / link``,
   where ``bytes`` is the full-size tensor (``fsdp_compile.patterns.CollectiveFacts``); an
   all-reduce is a reduce-scatter then an all-gather, twice that;
-- a collective starts when it is issued and the communication stream is free; a wait blocks
-  the compute stream until its collective ends.
+- a collective starts when it is issued and its link's communication stream is free (one
+  stream per link: see ``estimate_timeline``); a wait blocks the compute stream until its
+  collective ends, so one waited on right where it is issued (tensor parallelism's, as
+  DTensor traces them) is exposed whole.
 
 The numbers are estimates for the named hardware, not measurements (see docs/debugging.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -219,30 +223,49 @@ class Timeline:
     step_seconds: float
     exposed_comm_seconds: float
     """Time the compute stream sat idle waiting for a collective."""
+    exposed_by_group: dict[str, float] = field(default_factory=dict)
+    """``exposed_comm_seconds`` by the group of the collective waited on."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def estimate_timeline(gm: fx.GraphModule, graph: str, hw: Hardware = NVLINK_GPU) -> Timeline:
-    """Play ``gm`` on a compute and a communication stream with the cost model above."""
-    compute_clock = comm_clock = exposed = 0.0
-    done: dict[fx.Node, float] = {}
+def estimate_timeline(
+    gm: fx.GraphModule, graph: str, hw: Hardware = NVLINK_GPU, links: Mapping[str, Hardware] | None = None
+) -> Timeline:
+    """Play ``gm`` on a compute stream and a communication stream per link with the cost
+    model above. ``links``: group name -> the link its collectives cross (``hw``'s when not
+    named), e.g. a tensor-parallel group inside a node on NVLink and the data-parallel group
+    across nodes on InfiniBand. Collectives crossing one link take turns on it (they share
+    its bandwidth); those crossing different links run side by side."""
+    links = links or {}
+    compute_clock = 0.0
+    comm_clock: dict[Hardware, float] = {}
+    done: dict[fx.Node, tuple[float, str]] = {}
+    exposed: dict[str, float] = {}
     spans = []
     for node in gm.graph.nodes:
         if is_collective(node):
-            start = max(compute_clock, comm_clock)
-            comm_clock = start + collective_seconds(collective_facts(node), hw)
-            done[node] = comm_clock
-            spans.append(Span(lane="comm", name=node.name, start=start, end=comm_clock))
+            facts = collective_facts(node)
+            link = links.get(facts.group_name, hw)
+            start = max(compute_clock, comm_clock.get(link, 0.0))
+            comm_clock[link] = start + collective_seconds(facts, link)
+            done[node] = comm_clock[link], facts.group_name
+            spans.append(Span(lane="comm", name=node.name, start=start, end=comm_clock[link]))
         elif is_wait(node) and node.args[0] in done:
-            ready = done[node.args[0]]
-            exposed += max(0.0, ready - compute_clock)
+            ready, group = done[node.args[0]]
+            exposed[group] = exposed.get(group, 0.0) + max(0.0, ready - compute_clock)
             compute_clock = max(compute_clock, ready)
         elif _is_compute(node):
             cost = _compute_seconds(gm, node, hw)
             if cost > 0:
                 spans.append(Span(lane="compute", name=node.name, start=compute_clock, end=compute_clock + cost))
                 compute_clock += cost
-    step = max(compute_clock, comm_clock)
-    return Timeline(graph=graph, hardware=hw, spans=tuple(spans), step_seconds=step, exposed_comm_seconds=exposed)
+    return Timeline(
+        graph=graph,
+        hardware=hw,
+        spans=tuple(spans),
+        step_seconds=max([compute_clock, *comm_clock.values()]),
+        exposed_comm_seconds=sum(exposed.values()),
+        exposed_by_group=exposed,
+    )
