@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from fsdp_compile.records import shard_info
-from fsdp_compile.backend import MfsdpBackend
-from fsdp_compile.patterns import count_collectives
+from fsdp_compile.backend import CompiledGraph, MfsdpBackend
 from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline
 
 __all__ = ["explain", "Explanation"]
@@ -28,10 +27,21 @@ class Explanation:
     buckets: int
     """Buckets in the plans (one all-gather, and one reduce-scatter, each per graph)."""
     collectives: dict[str, int]
-    """Per training step, by kind and graph, e.g. {"forward all_gather": 31, ...}."""
+    """Per training step, by graph and kind, e.g. {"forward all_gather": 31, ...}: every
+    collective but tensor parallelism's (ours over the data-parallel mesh, and the user's)."""
     bytes_per_step: dict[str, int]
+    groups: dict[str, int]
+    """The groups ``collectives`` run on -> their ranks."""
+    tensor_parallel: dict[str, int]
+    """The collectives DTensor traced for tensor-parallel layers, per training step, by graph
+    and kind (on ``tensor_parallel_groups``); empty without tensor parallelism."""
+    tensor_parallel_bytes: dict[str, int]
+    tensor_parallel_groups: dict[str, int]
+    """The tensor-parallel groups -> their ranks."""
     step_seconds: float
     exposed_comm_seconds: float
+    exposed_tensor_parallel_seconds: float
+    """The part of ``exposed_comm_seconds`` spent waiting on tensor-parallel collectives."""
     hardware: Hardware
     graphs: int
 
@@ -44,17 +54,28 @@ class Explanation:
             lines.append("special parameters:")
             lines += [f"  {name}: {why}" for name, why in sorted(self.excluded.items())]
         lines.append(f"buckets: {self.buckets}")
-        lines.append("collectives per step:")
-        lines += [
-            f"  {kind}: {count} ({self.bytes_per_step.get(kind, 0) / 2**20:.2f} MiB)"
-            for kind, count in sorted(self.collectives.items())
-        ]
+        lines += _listing("collectives per step", self.collectives, self.bytes_per_step, self.groups)
+        if self.tensor_parallel:
+            lines += _listing(
+                "tensor-parallel collectives per step",
+                self.tensor_parallel, self.tensor_parallel_bytes, self.tensor_parallel_groups,
+            )
         exposed = self.exposed_comm_seconds / max(self.step_seconds, 1e-12)
         lines.append(
             f"estimated step on {self.hardware.name}: {self.step_seconds * 1e3:.3f} ms, "
             f"exposed communication {self.exposed_comm_seconds * 1e3:.3f} ms ({exposed:.0%})"
+            + (f", {self.exposed_tensor_parallel_seconds * 1e3:.3f} ms of it tensor-parallel" if self.tensor_parallel else "")
         )
         return "\n".join(lines)
+
+
+def _listing(title: str, counts: dict[str, int], moved: dict[str, int], groups: dict[str, int]) -> list[str]:
+    """``title``, the groups the collectives run on, then one line per graph and kind."""
+    on = ", ".join(f"{name} ({world} ranks)" for name, world in sorted(groups.items()))
+    lines = [f"{title}" + (f", on group{'s' if len(groups) > 1 else ''} {on}:" if groups else ":")]
+    return lines + [
+        f"  {kind}: {count} ({moved.get(kind, 0) / 2**20:.2f} MiB)" for kind, count in sorted(counts.items())
+    ]
 
 
 def _special_parameters(model: nn.Module) -> dict[str, str]:
@@ -74,6 +95,29 @@ def _special_parameters(model: nn.Module) -> dict[str, str]:
     return special
 
 
+# Explanation's fields for the collectives that are not tensor parallelism's, and for those.
+_TALLIES = {
+    False: ("collectives", "bytes_per_step", "groups"),
+    True: ("tensor_parallel", "tensor_parallel_bytes", "tensor_parallel_groups"),
+}
+
+
+def _tally(graphs: list[CompiledGraph]) -> dict[str, dict]:
+    """Count, bytes and groups of the training graphs' collectives, tensor parallelism's (on
+    a group its parameters were placed on) apart from the others (``_TALLIES``)."""
+    tallies = {name: defaultdict(int) for names in _TALLIES.values() for name in names}
+    for graph in graphs:
+        if "backward" not in graph.compiled:
+            continue  # a graph without gradients (inference): no backward to count
+        for role, gm in (("forward", graph.forward), ("backward", graph.backward)):
+            for c in collective_schedule(gm, graph.plan, role):
+                counts, moved, groups = (tallies[n] for n in _TALLIES[c.group in graph.plan.tensor_parallel_groups])
+                counts[f"{role} {c.kind}"] += 1
+                moved[f"{role} {c.kind}"] += c.bytes
+                groups[c.group] = c.world
+    return {name: dict(tally) for name, tally in tallies.items()}
+
+
 def explain(
     model: nn.Module, *example_inputs, hardware: Hardware = NVLINK_GPU, **options
 ) -> Explanation:
@@ -86,9 +130,8 @@ def explain(
     # Compile the backward now, with its passes (AOTAutograd otherwise waits for a backward).
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         torch.compile(model, backend=backend)(*example_inputs)
-    collectives: dict[str, int] = defaultdict(int)
-    moved: dict[str, int] = defaultdict(int)
-    step = exposed = 0.0
+    tallies = _tally(backend.graphs)
+    step = exposed = exposed_tp = 0.0
     params, buckets = {}, 0
     for graph in backend.graphs:
         buckets += len(graph.plan.buckets)
@@ -96,13 +139,10 @@ def explain(
         if "backward" not in graph.compiled:
             continue  # a graph without gradients (inference): no backward to count
         for role, gm in (("forward", graph.forward), ("backward", graph.backward)):
-            for kind, count in count_collectives(gm.graph).items():
-                collectives[f"{role} {kind}"] += count
-            for c in collective_schedule(gm, graph.plan, role):
-                moved[f"{role} {c.kind}"] += c.bytes
             timeline = estimate_timeline(gm, role, hardware)
             step += timeline.step_seconds
             exposed += timeline.exposed_comm_seconds
+            exposed_tp += sum(timeline.exposed_by_group.get(g, 0.0) for g in graph.plan.tensor_parallel_groups)
     # A repeated block's parameters are read as one flat parameter (NOTE: flat parameters, in
     # flat_params.py): the parameters the graphs read are its members.
     managed = [
@@ -115,10 +155,10 @@ def explain(
         managed_bytes=managed_bytes,
         excluded=_special_parameters(model),
         buckets=buckets,
-        collectives=dict(collectives),
-        bytes_per_step=dict(moved),
+        **tallies,
         step_seconds=step,
         exposed_comm_seconds=exposed,
+        exposed_tensor_parallel_seconds=exposed_tp,
         hardware=hardware,
         graphs=len(backend.graphs),
     )

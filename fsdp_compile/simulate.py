@@ -16,6 +16,12 @@ schedules of the same bucketed graphs:
   and the first gather of a graph at its start (in backward it then hides behind the loss
   gradient and the head; NOTE: the planned order, in ``passes/schedule_collectives.py``).
 
+Tensor parallelism's collectives (DTensor's, traced into the graphs on the "tp" group) stay
+where the graph has them in every schedule: the op after each waits for it, so each is
+exposed whole unless the graph overlaps it, and ``exposed_tensor_parallel_seconds`` reports
+that time apart. ``links`` gives a group a link of its own (tensor parallelism inside a node
+on NVLink, data parallelism across nodes on InfiniBand).
+
 Peak memory is a liveness count over the node order (``peak_memory``): inputs (shards,
 activations saved for backward) stay resident, every other tensor lives from the node that
 allocates it to its last reader, views and waits alias their input, and a collective's input
@@ -36,6 +42,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +70,9 @@ class ScheduleEstimate:
     """Forward plus backward, both streams drained."""
     exposed_comm_seconds: float
     """Time the compute stream waited on a collective."""
+    exposed_tensor_parallel_seconds: float
+    """The part of ``exposed_comm_seconds`` spent waiting on tensor parallelism's collectives
+    (DTensor's, on the groups the plans' parameters were placed on by ``parallelize_module``)."""
     peak_bytes: int
     """Most bytes the step's graphs hold at once (see ``peak_memory``)."""
 
@@ -189,20 +199,28 @@ def _graphs(graph: CompiledGraph, schedule: str) -> list[tuple[str, fx.GraphModu
     return [(role, _waited_at_issue(_rescheduled(gm, graph.plan, prefetch=0), graph.plan)) for role, gm in pairs]
 
 
-def simulate(graphs: list[CompiledGraph], hardware: Hardware = NVLINK_GPU) -> Simulation:
+def simulate(
+    graphs: list[CompiledGraph], hardware: Hardware = NVLINK_GPU, links: Mapping[str, Hardware] | None = None
+) -> Simulation:
     """Estimate one training step of ``graphs`` (a backend's ``.graphs``: each compiled with
-    its backward, at the world size it was traced at) on ``hardware``, for each schedule."""
+    its backward, at the world size it was traced at) on ``hardware``, for each schedule.
+    ``links``: group name -> the link that group's collectives cross, where it is not
+    ``hardware``'s (``estimate_timeline``). An all-reduce's group size is looked up by the
+    group's name (``collective_facts``): simulate before that process group is destroyed."""
     estimates = {}
     for schedule in SCHEDULES:
-        step = exposed = 0.0
+        step = exposed = exposed_tp = 0.0
         peak = 0
         for graph in graphs:
             for role, gm in _graphs(graph, schedule):
-                timeline = estimate_timeline(gm, role, hardware)
+                timeline = estimate_timeline(gm, role, hardware, links)
                 step += timeline.step_seconds
                 exposed += timeline.exposed_comm_seconds
+                exposed_tp += sum(timeline.exposed_by_group.get(g, 0.0) for g in graph.plan.tensor_parallel_groups)
                 peak = max(peak, peak_memory(gm))
-        estimates[schedule] = ScheduleEstimate(step_seconds=step, exposed_comm_seconds=exposed, peak_bytes=peak)
+        estimates[schedule] = ScheduleEstimate(
+            step_seconds=step, exposed_comm_seconds=exposed, exposed_tensor_parallel_seconds=exposed_tp, peak_bytes=peak
+        )
     world = max(p.sharding.world for g in graphs for p in g.plan.params)
     return Simulation(hardware=hardware, world=world, schedules=estimates)
 
