@@ -12,21 +12,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard, shard_info
 from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES
 from fsdp_compile.patterns import ALL_GATHER, ALL_GATHER_OUT, ALL_REDUCE, REDUCE_SCATTER, is_block_call
+from fsdp_compile.testing.tensor_parallel import hf_llama_sequence_parallel
 from harness import fake_process_group, relative_error, spawn
 
 DIM, HIDDEN, VOCAB, LAYERS, STEPS = 16, 32, 64, 2, 3
@@ -251,7 +246,7 @@ def test_blocks_called_with_a_dtensor_are_traced_inline_and_say_so():
     with fake_process_group(DP * TP):
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
         model = _hf_llama()
-        _hf_sequence_parallel(model, mesh["tp"])
+        hf_llama_sequence_parallel(model, mesh["tp"])
         fully_shard(model, mesh=mesh["dp"])
         backend = MfsdpBackend(compiler="eager")
         with pytest.warns(UserWarning, match="called with a DTensor .* traced inline"):
@@ -335,50 +330,20 @@ def _hf_layer_plan(config) -> dict:
     }
 
 
-def _hf_sequence_parallel(model, tp_mesh) -> None:
-    """Megatron's sequence parallelism on HF Llama, as torchtitan splits its Llama: the
-    embedding's output, the norms and the residual stream sharded over the sequence
-    (``SequenceParallel``), each attention and MLP gathering it back (``PrepareModuleInput``)
-    and reduce-scattering its output onto it (row-parallel with ``Shard(1)`` output), the
-    head gathering the sequence. The residual stream stays a DTensor
-    (``use_local_output=False``): HF computes the rotary positions from its length."""
-    sequence = {"output_layouts": Shard(1), "use_local_output": False}
-    parallelize_module(model, tp_mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **sequence),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })  # fmt: skip
-    layer_plan = {
-        "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
-        ),
-        **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
-        "self_attn.o_proj": RowwiseParallel(**sequence),
-        "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(**sequence),
-    }
-    for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, layer_plan)
-
-
 def _hf_loss(forward, tokens: torch.Tensor) -> torch.Tensor:
     return _loss(lambda t: forward(t).logits, tokens)
 
 
 def _hf_train(rank: int, world: int, *, runs: tuple[tuple[str, str], ...]) -> dict:
     """Each run: the split ("hf_plan": transformers' own plan for the layers;
-    "sequence_parallel": ``_hf_sequence_parallel``) and the compiler ("none": uncompiled)."""
+    "sequence_parallel": ``hf_llama_sequence_parallel``) and the compiler ("none": uncompiled)."""
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     results = {}
     for split, compiler in runs:
         torch._dynamo.reset()
         model = _hf_llama()
         if split == "sequence_parallel":
-            _hf_sequence_parallel(model, mesh["tp"])
+            hf_llama_sequence_parallel(model, mesh["tp"])
         else:
             for layer in model.model.layers:
                 parallelize_module(layer, mesh["tp"], _hf_layer_plan(model.config))

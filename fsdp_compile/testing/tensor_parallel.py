@@ -1,0 +1,45 @@
+"""Tensor-parallel plans for the tests and the simulator's estimates (docs/design.md, "Async
+tensor parallelism: the next step")."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def hf_llama_sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron's sequence parallelism on HF Llama, as torchtitan splits its Llama: the
+    embedding's output, the norms and the residual stream sharded over the sequence
+    (``SequenceParallel``), each attention and MLP gathering it back (``PrepareModuleInput``)
+    and reduce-scattering its output onto it (row-parallel with ``Shard(1)`` output), the
+    head gathering the sequence. The residual stream stays a DTensor
+    (``use_local_output=False``): HF computes the rotary positions from its length."""
+    sequence = {"output_layouts": Shard(1), "use_local_output": False}
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **sequence),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })  # fmt: skip
+    layer_plan = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        ),
+        **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+        "self_attn.o_proj": RowwiseParallel(**sequence),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(**sequence),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, layer_plan)
