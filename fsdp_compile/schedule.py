@@ -42,7 +42,10 @@ from fsdp_compile.block_call import BLOCK_BACKWARD
 from fsdp_compile.block_record import call_record
 from fsdp_compile.plan import Plan
 
-__all__ = ["Hardware", "NVLINK_GPU", "Collective", "collective_schedule", "estimate_timeline", "Timeline"]
+__all__ = [
+    "Hardware", "NVLINK_GPU", "Collective", "collective_schedule", "collective_seconds", "compute_seconds",
+    "estimate_timeline", "Timeline",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +191,7 @@ def _block_seconds(node: fx.Node, hw: Hardware) -> float:
     return flops / hw.flops + nbytes / hw.memory_bandwidth
 
 
-def _compute_seconds(gm: fx.GraphModule, node: fx.Node, hw: Hardware) -> float:
+def compute_seconds(node: fx.Node, hw: Hardware) -> float:
     """Roofline time of one compute node; a repeated block's call costs its body's ops, since
     the call is one node no counter sees into."""
     if is_block_call(node):
@@ -257,7 +260,7 @@ def estimate_timeline(
             exposed[group] = exposed.get(group, 0.0) + max(0.0, ready - compute_clock)
             compute_clock = max(compute_clock, ready)
         elif _is_compute(node):
-            cost = _compute_seconds(gm, node, hw)
+            cost = compute_seconds(node, hw)
             if cost > 0:
                 spans.append(Span(lane="compute", name=node.name, start=compute_clock, end=compute_clock + cost))
                 compute_clock += cost

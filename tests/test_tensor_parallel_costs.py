@@ -101,3 +101,34 @@ def test_the_simulated_step_waits_out_each_tensor_parallel_collective():
     assert slower.exposed_tensor_parallel_seconds - fast.exposed_tensor_parallel_seconds == pytest.approx(latency_terms)
     assert slower.step_seconds > fast.step_seconds
     assert shared.schedules["ours"].exposed_tensor_parallel_seconds >= fast.exposed_tensor_parallel_seconds * (1 - 1e-9)
+
+
+def test_async_tp_estimate_takes_the_sequence_parallel_gathers_and_scatters_beside_matmuls():
+    """HF Llama under sequence parallelism, dp 2 x tp 2: async TP would cut, in forward,
+    each layer's two gathers (before attention and the MLP) and two scatters (after them)
+    and the head's gather; in backward each layer's two gathers of an output's gradient and
+    the head's scatter (the layers' backward scatters follow a sum of matmuls, which
+    Inductor's pattern does not take) -- 14 of the step's collectives, saving some of the
+    time the step waits on them and no more. The same step is ``simulate``'s ``ours``. The
+    residual stack without sequence parallelism has only all-reduces: nothing to cut."""
+    pytest.importorskip("transformers")
+    from fsdp_compile.async_tp_estimate import estimate_async_tp
+    from fsdp_compile.testing.tensor_parallel import hf_llama_sequence_parallel
+    from test_tensor_parallel import _hf_llama, _hf_loss
+
+    with fake_process_group(DP * TP):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        links = {mesh["tp"].get_group().group_name: TP_LINK}
+        model = _hf_llama()
+        hf_llama_sequence_parallel(model, mesh["tp"])
+        torch._dynamo.reset()
+        backend = MfsdpBackend(compiler="eager")
+        _hf_loss(torch.compile(fully_shard(model, mesh=mesh["dp"]), backend=backend), _batch(0, 0)).backward()
+        sequence_parallel = estimate_async_tp(backend.graphs, LINK, links)
+        ours = simulate(backend.graphs, LINK, links).schedules["ours"]
+        all_reduces = estimate_async_tp(_compiled_step(_parallelized(mesh)).graphs, LINK, links)
+    assert sequence_parallel.decomposable == 6 * LAYERS + 2, sequence_parallel
+    assert 0 < sequence_parallel.saved_seconds <= sequence_parallel.exposed_tensor_parallel_seconds
+    assert sequence_parallel.step_seconds == pytest.approx(ours.step_seconds)
+    assert sequence_parallel.exposed_tensor_parallel_seconds == pytest.approx(ours.exposed_tensor_parallel_seconds)
+    assert all_reduces.collectives == 2 * LAYERS and all_reduces.decomposable == 0 and all_reduces.saved_seconds == 0
