@@ -6,17 +6,22 @@ reduce-scatter of its output, into one chunk per tensor-parallel rank, and compu
 chunk while the next travels. It takes the two shapes Inductor's ``micro_pipeline_tp`` pass
 takes::
 
-    all_gather ─ wait ─[split ─ getitem* ─ cat]─ view* ─ mm (as its left operand), one or more
+    all_gather ─ wait ─[split ─ getitem* ─ cat]─[slice]─ view* ─ mm (as its left operand), one or more
     mm ─ view* ─[split ─ getitem* ─ cat]─ reduce_scatter
+    ([split ... cat]: a gather or scatter along the sequence, moved to dim 0; [slice]: DTensor's
+    unpadding of an even shard, a no-op)
 
 NOTE: the async TP estimate
     A collective of ``t`` seconds (``schedule.collective_seconds``) next to matmuls of ``m``
-    seconds, cut into ``tp`` chunks: the chunk computed on what is already here (the local
-    shard; the last chunk's reduction) cannot overlap, the other ``tp - 1`` can, so it saves
-    ``min(t, m * (tp - 1) / tp)``. Summed over the decomposable collectives and capped by
-    the time the step (as compiled, ``ours``) waits on tensor-parallel collectives. It leaves
-    out what chunking costs: smaller matmuls run less efficiently, and each chunk's copy
-    takes its own latency.
+    seconds, both cut into ``tp`` chunks: each piece travels while the matmuls compute on
+    other chunks. All of ``t`` hides when the matmuls take longer; otherwise all of the
+    matmuls but one chunk (the one computed with nothing in flight) run under it. So it
+    saves ``min(t, m * (tp - 1) / tp)``, summed over the decomposable collectives and capped
+    by the time the step (as compiled, ``ours``) waits on tensor-parallel collectives. It
+    leaves out what chunking costs: smaller matmuls run less efficiently, and each chunk's
+    copy takes its own latency.
+
+``benchmarks/async_tp_estimate.py`` runs it on HF Llama-3 8B and 70B.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ class AsyncTensorParallelEstimate:
     """The part of ``exposed_comm_seconds`` spent waiting on tensor-parallel collectives."""
     collectives: int
     """Tensor-parallel collectives in the step."""
+    collective_seconds: float
+    """Their alpha-beta time, summed: ``exposed_tensor_parallel_seconds`` less this is time
+    they queued behind other collectives on their link."""
     decomposable: int
     """Those async TP would cut into chunks (the shapes in the module docstring)."""
     decomposable_seconds: float
@@ -114,7 +122,7 @@ def estimate_async_tp(
     """The step of ``graphs`` as compiled, and what async TP would save of it (NOTE: the async
     TP estimate), with ``simulate``'s cost model and arguments."""
     links = links or {}
-    totals = dict.fromkeys(("step", "exposed", "exposed_tp", "decomposable_seconds", "saved"), 0.0)
+    totals = dict.fromkeys(("step", "exposed", "exposed_tp", "collective_seconds", "decomposable_seconds", "saved"), 0.0)
     collectives = decomposable = 0
     for graph in graphs:
         tp_groups = graph.plan.tensor_parallel_groups
@@ -127,6 +135,7 @@ def estimate_async_tp(
                     continue
                 collectives += 1
                 seconds = collective_seconds(facts, links.get(facts.group_name, hardware))
+                totals["collective_seconds"] += seconds
                 if hideable := _hideable_seconds(node, hardware):
                     decomposable += 1
                     totals["decomposable_seconds"] += seconds
@@ -140,6 +149,7 @@ def estimate_async_tp(
         exposed_comm_seconds=totals["exposed"],
         exposed_tensor_parallel_seconds=totals["exposed_tp"],
         collectives=collectives,
+        collective_seconds=totals["collective_seconds"],
         decomposable=decomposable,
         decomposable_seconds=totals["decomposable_seconds"],
         saved_seconds=totals["saved"],
