@@ -124,7 +124,8 @@ def explain(
     """Compile ``model`` with mfsdp (eager compiler), run one forward, and summarise.
 
     The forward runs real all-gathers: call it on every rank, like any collective. Estimates
-    use ``fsdp_compile.schedule``'s cost model for ``hardware``.
+    use ``fsdp_compile.schedule``'s cost model for ``hardware``. Under tensor parallelism the
+    collectives DTensor traced on the "tp" group are listed, and timed, apart from the rest.
     """
     backend = MfsdpBackend(compiler="eager", **options)
     # Compile the backward now, with its passes (AOTAutograd otherwise waits for a backward).
