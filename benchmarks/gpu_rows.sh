@@ -41,8 +41,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # 2026-11-26 and 27: one-time costs 3-4 s, warm-up 7-11 s for fsdp2-compile and 14-25 s for
 # mfsdp (docs/performance.md, "Compile time"), steps of 0.43 s (8B) and 1.3 s (70B), each mode
 # built and materialised apart; Python's start, the profiled step's kernel trace and capture on top.
-# The tensor-parallel rows' shares are guesses with room: not yet run on a GPU, and mfsdp
-# traces tensor-parallel layers inline, so its compile grows with depth (docs/user_guide.md).
+# The tensor-parallel rows' shares are guesses with room: not yet run on a GPU.
 # The smoke rows split tiny Llama, whose 2 key-value heads take tp 2 at most.
 if ((smoke)); then
     rows=(

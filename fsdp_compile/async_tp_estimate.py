@@ -35,7 +35,14 @@ from torch import fx
 
 from fsdp_compile.backend import CompiledGraph
 from fsdp_compile.patterns import collective_facts, is_all_gather, is_collective, is_reduce_scatter, is_wait
-from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_seconds, compute_seconds, estimate_timeline
+from fsdp_compile.schedule import (
+    NVLINK_GPU,
+    Hardware,
+    collective_seconds,
+    compute_seconds,
+    estimate_timeline,
+    with_bodies,
+)
 
 __all__ = ["AsyncTensorParallelEstimate", "estimate_async_tp"]
 
@@ -130,7 +137,8 @@ def estimate_async_tp(
             timeline = estimate_timeline(gm, role, hardware, links)
             exposed_tp = sum(timeline.exposed_by_group.get(g, 0.0) for g in tp_groups)
             saved = 0.0
-            for node in gm.graph.nodes:
+            # A block's collectives are its compiled body's, once per call (``with_bodies``).
+            for node in (n for g in with_bodies(gm) for n in g.graph.nodes):
                 if not is_collective(node) or (facts := collective_facts(node)).group_name not in tp_groups:
                     continue
                 collectives += 1

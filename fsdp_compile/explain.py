@@ -10,7 +10,7 @@ from torch import nn
 
 from fsdp_compile.records import shard_info
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend
-from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline
+from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline, with_bodies
 
 __all__ = ["explain", "Explanation"]
 
@@ -110,7 +110,8 @@ def _tally(graphs: list[CompiledGraph]) -> dict[str, dict]:
         if "backward" not in graph.compiled:
             continue  # a graph without gradients (inference): no backward to count
         for role, gm in (("forward", graph.forward), ("backward", graph.backward)):
-            for c in collective_schedule(gm, graph.plan, role):
+            # A block's own collectives are its compiled body's, once per call.
+            for c in (c for g in with_bodies(gm) for c in collective_schedule(g, graph.plan, role)):
                 counts, moved, groups = (tallies[n] for n in _TALLIES[c.group in graph.plan.tensor_parallel_groups])
                 counts[f"{role} {c.kind}"] += 1
                 moved[f"{role} {c.kind}"] += c.bytes

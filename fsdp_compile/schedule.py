@@ -14,7 +14,10 @@ cost model:
 - a collective starts when it is issued and its link's communication stream is free (one
   stream per link: see ``estimate_timeline``); a wait blocks the compute stream until its
   collective ends, so one waited on right where it is issued (tensor parallelism's, as
-  DTensor traces them) is exposed whole.
+  DTensor traces them) is exposed whole;
+- a repeated block's call: its body's ops (counted when the step was traced), then the
+  collectives its compiled body holds (``body_of``: tensor parallelism's, an expert
+  all-to-all), each exposed whole.
 
 The numbers are estimates for the named hardware, not measurements (see docs/debugging.md).
 """
@@ -43,8 +46,8 @@ from fsdp_compile.block_record import call_record
 from fsdp_compile.plan import Plan
 
 __all__ = [
-    "Hardware", "NVLINK_GPU", "Collective", "collective_schedule", "collective_seconds", "compute_seconds",
-    "estimate_timeline", "Timeline",
+    "Hardware", "NVLINK_GPU", "Collective", "body_of", "collective_schedule", "collective_seconds", "compute_seconds",
+    "estimate_timeline", "Timeline", "with_bodies",
 ]
 
 
@@ -200,6 +203,29 @@ def compute_seconds(node: fx.Node, hw: Hardware) -> float:
     return flops / hw.flops if flops else _nbytes(node.meta.get("val")) / hw.memory_bandwidth
 
 
+def body_of(node: fx.Node) -> fx.GraphModule | None:
+    """The compiled graph a repeated block's call runs: its body's forward, or its backward for
+    a ``block_backward``; None for any other node, and for a body not compiled in this process
+    (its frame compiles at its first call). A collective the block runs itself (tensor
+    parallelism's, an expert all-to-all) lies there, once per call (NOTE: one op per block
+    call, in block_call.py)."""
+    if not is_block_call(node):
+        return None
+    record = call_record(node.args[-1])
+    backend = record.backend()
+    bodies = backend.bodies.get(record.name) if backend is not None else None
+    role = "backward" if node.target == BLOCK_BACKWARD else "forward"
+    if not bodies or role not in bodies[0].compiled:
+        return None
+    return bodies[0].compiled[role]
+
+
+def with_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm``, then the compiled body each of its block calls runs (``body_of``), once per
+    call: every graph one run of ``gm`` runs."""
+    return [gm, *(body for body in map(body_of, gm.graph.nodes) if body is not None)]
+
+
 def collective_seconds(facts: CollectiveFacts, hw: Hardware) -> float:
     """Ring alpha-beta time of one collective (an all-reduce is a reduce-scatter and an
     all-gather; an all-to-all sends all but its own piece once)."""
@@ -264,6 +290,17 @@ def estimate_timeline(
             if cost > 0:
                 spans.append(Span(lane="compute", name=node.name, start=compute_clock, end=compute_clock + cost))
                 compute_clock += cost
+            body = body_of(node)
+            # A block's own collectives, after its compute: in its body each is waited on where
+            # it is issued (DTensor's), so exposed whole, once the link is free.
+            for inner in (n for n in body.graph.nodes if is_collective(n)) if body is not None else ():
+                facts = collective_facts(inner)
+                link = links.get(facts.group_name, hw)
+                start = max(compute_clock, comm_clock.get(link, 0.0))
+                comm_clock[link] = start + collective_seconds(facts, link)
+                spans.append(Span(lane="comm", name=f"{node.name}.{inner.name}", start=start, end=comm_clock[link]))
+                exposed[facts.group_name] = exposed.get(facts.group_name, 0.0) + comm_clock[link] - compute_clock
+                compute_clock = comm_clock[link]
     return Timeline(
         graph=graph,
         hardware=hw,

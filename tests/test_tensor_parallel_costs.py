@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.patterns import collective_facts, is_collective
-from fsdp_compile.schedule import NVLINK_GPU, collective_schedule, collective_seconds
+from fsdp_compile.schedule import NVLINK_GPU, collective_schedule, collective_seconds, with_bodies
 from fsdp_compile.simulate import SCHEDULES, simulate
 from harness import fake_process_group
 from test_tensor_parallel import DIM, DP, LAYERS, TP, _batch, _loss, _Model, _parallelized
@@ -39,7 +39,8 @@ def _on_group(backend: MfsdpBackend, group: str) -> Counter[str]:
     return Counter(
         f"{role} {c.kind}"
         for role, gm in (("forward", graph.forward), ("backward", graph.backward))
-        for c in collective_schedule(gm, graph.plan, role)
+        for g in with_bodies(gm)  # the step's graph and each block call's body
+        for c in collective_schedule(g, graph.plan, role)
         if c.group == group
     )
 
@@ -70,8 +71,8 @@ def test_explain_lists_the_tensor_parallel_collectives_apart_on_their_group():
 
 
 def test_the_simulated_step_waits_out_each_tensor_parallel_collective():
-    """DTensor waits on each tensor-parallel collective right where it issues it, and our
-    schedules leave them there: with "tp" on a link of its own, the step waits on them for
+    """DTensor waits on each tensor-parallel collective right where it issues it, in the
+    blocks' bodies, and our schedules leave them there: with "tp" on a link of its own, the step waits on them for
     the sum of their alpha-beta times, in every schedule, and ten times the link's latency
     adds ten times their latency terms. The simulator counted them before without telling
     them apart; now ``exposed_tensor_parallel_seconds`` is that time."""
@@ -83,7 +84,7 @@ def test_the_simulated_step_waits_out_each_tensor_parallel_collective():
         facts = [
             collective_facts(n)
             for gm in (graph.forward, graph.backward)
-            for n in gm.graph.nodes
+            for n in (n for g in with_bodies(gm) for n in g.graph.nodes)
             if is_collective(n) and collective_facts(n).group_name == tp
         ]
         assert len(facts) == 2 * LAYERS
