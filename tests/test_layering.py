@@ -1,9 +1,11 @@
 """The package's layering, read from its source: no import cycle (imports inside functions
-included) and no module too big to hold in one's head (docs/design.md, "Layers")."""
+included) and no module too big to hold in one's head (docs/design.md, "Layers"); docs that
+describe what is."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,18 @@ def test_the_cycle_finder_finds_a_lazy_import_cycle():
 def test_no_module_is_over_450_lines():
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     assert not {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES}, sorted(sizes.items(), key=lambda x: -x[1])[:5]
+
+
+def test_the_performance_doc_holds_current_numbers_in_at_most_400_lines_and_no_commit_names():
+    """docs/performance.md is the current numbers, not their history (git keeps that), and no
+    doc or the README names a commit (issue 38, item 6): a hash goes stale as the code moves."""
+    root = PACKAGE.parent
+    assert len((root / "docs" / "performance.md").read_text().splitlines()) <= 400
+    hashes = {
+        str(doc.relative_to(root)): [
+            word for word in re.findall(r"\b[0-9a-f]{7,40}\b", doc.read_text())
+            if re.search(r"[a-f]", word) and re.search(r"[0-9]", word)  # not a number, not a word
+        ]
+        for doc in [root / "README.md", *(root / "docs").glob("*.md")]
+    }
+    assert not {doc: found for doc, found in hashes.items() if found}, hashes
