@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -235,6 +236,13 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
     side_form, side_tensors = flatten(side, stand_ins)
     own = tensors_of(output)
     flat = [*own, *side_tensors]
+    if any(isinstance(t, DTensor) for t in flat):
+        raise CompileUsageError(
+            f"a repeated block ({type(call.block()).__name__}) returns a DTensor (a "
+            "parallelize_module style with use_local_output=False): its compiled body returns "
+            "plain tensors. Return local tensors (use_local_output=True), or compile with "
+            "options={'regional': False} to trace such blocks inline."
+        )
     differentiable = [t for t in flat if t.requires_grad]
     saved_bytes = _saved_bytes(differentiable, besides=[*leaves, *flat])
     with autograd_inside():  # to name the weights' nodes, as the backward's graph does

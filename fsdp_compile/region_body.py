@@ -18,15 +18,17 @@ NOTE: tensor-parallel blocks
     weight is, and the body reads each as the DTensor tensor parallelism made
     (``DTensor.from_local`` on the tensor-parallel mesh, from constants of the recipe: the
     mesh, placements, shape and stride). The styles' forward hooks and pre-hooks
-    (``distribute_module``'s) run in the body, traced, where they turn inputs into DTensors
-    and outputs back: they are not recorded for the step to replay (NOTE: hooks inside a
-    repeated block, in side_outputs.py), which could not replace an input or output. So the
-    tensor-parallel collectives are the body's, as an expert all-to-all is. What those hooks
-    close over (the style's function and layouts, the mesh) is part of the structure: layers
-    split alike share one body, layers split otherwise get one each. Two cases stay inline:
-    a call given a DTensor (sequence parallelism's residual stream: the block op takes plain
-    tensors), and a module holding tensor parallelism's hooks and others (the body cannot run
-    the one kind and record the other on one module).
+    (``distribute_module``'s, and the ``PrepareModule*`` styles') run in the body, traced,
+    where they turn inputs into DTensors and outputs back: they are not recorded for the step
+    to replay (NOTE: hooks inside a repeated block, in side_outputs.py), which could not
+    replace an input or output. So the tensor-parallel collectives are the body's, as an
+    expert all-to-all is. What those hooks close over (the style's function and layouts, the
+    mesh) is part of the structure: layers split alike share one body, layers split
+    otherwise get one each. A tensor-parallel block keeps every parameter out of flats
+    (regions.py). Two cases stay inline: a call given a DTensor (a residual stream kept as
+    one: the block op takes plain tensors), and a module holding tensor parallelism's hooks
+    and others (the body cannot run the one kind and record the other on one module); a
+    block returning a DTensor is refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def _body_arguments(layout: str, recipe: str, leaves: tuple, copied_out: bool) -
     return owners, weights, tuple(values[:n_args]), dict(zip(names, values[n_args:])), copies
 
 
-def _tensor_parallel(piece: torch.Tensor, mesh, placements: tuple, shape: tuple, stride: tuple) -> DTensor:
+def _tensor_parallel(piece: torch.Tensor, mesh, _group: str, placements: tuple, shape: tuple, stride: tuple) -> DTensor:
     """A tensor-parallel weight as its block reads it: this rank's piece, gathered over the
     data-parallel dimension, as the DTensor ``parallelize_module`` made (NOTE:
     tensor-parallel blocks)."""

@@ -80,10 +80,15 @@ def _recipe_key(block: nn.Module) -> str:
 
 
 def _tensor_parallel_read(param: nn.Parameter) -> tuple | None:
-    """A tensor-parallel weight's DTensor as (mesh, placements, shape, stride): constants a
-    body's frame reads (``assume_constant_result`` hands back plain tuples and meshes)."""
+    """A tensor-parallel weight's DTensor as (mesh, its group's name, placements, shape,
+    stride): constants a body's frame reads (``assume_constant_result`` hands back plain
+    tuples and meshes). The group's name is there for the recipe's equality: meshes compare
+    by ranks and names, so a mesh of a process group made again after one was destroyed
+    would match the old recipe, and its body would read the old mesh."""
     read = shard_info(param).tensor_parallel
-    return None if read is None else (read.mesh, read.placements, read.shape, read.stride)
+    if read is None:
+        return None
+    return (read.mesh, read.mesh.get_group().group_name, read.placements, read.shape, read.stride)
 
 
 def _key_in(table: list, value: object) -> str:

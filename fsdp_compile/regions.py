@@ -279,7 +279,14 @@ def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
             path_of.setdefault(param, f"{path}.{name}" if path else name)  # a tie: its first name
     if not slot_params:
         return None
-    flats, alone = flat_groups(list(path_of))
+    if any(shard_info(p).tensor_parallel is not None for p in path_of):
+        # No flats in a tensor-parallel block: a call traced inline because it is given a
+        # DTensor (sequence parallelism) records no fake run, so a flat could not tell which
+        # members got a gradient and would hand an idle one zeros (NOTE: parameters without
+        # a gradient, in block_fakes.py); gathered alone, each keeps its own None.
+        flats, alone = [], list(path_of)
+    else:
+        flats, alone = flat_groups(list(path_of))
     order = [p for members in flats for p in members] + alone
     index = {param: i for i, param in enumerate(order)}
     return RegionLayout(

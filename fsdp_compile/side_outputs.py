@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fsdp_compile import hf
 from fsdp_compile.errors import CompileUsageError
@@ -81,11 +82,15 @@ def hooked_modules(block: nn.Module) -> tuple[tuple[tuple[str, ...], bool, bool]
     )
 
 
+_TENSOR_PARALLEL_HOOKS = ("torch.distributed.tensor._api", "torch.distributed.tensor.parallel.style")
+"""Where torch defines the hooks ``parallelize_module`` installs: ``distribute_module``'s
+(ColwiseParallel, RowwiseParallel, SequenceParallel) and the ``PrepareModule*`` styles'."""
+
+
 def is_tensor_parallel_hook(hook: Callable) -> bool:
-    """A forward hook or pre-hook torch's ``distribute_module`` installed for a
-    ``parallelize_module`` style: it calls the style's input or output function with the
-    tensor-parallel mesh."""
-    return getattr(hook, "__qualname__", "").startswith("distribute_module.")
+    """A forward hook or pre-hook a ``parallelize_module`` style installed: it turns the
+    module's inputs or outputs into (or out of) DTensors on the tensor-parallel mesh."""
+    return getattr(hook, "__module__", None) in _TENSOR_PARALLEL_HOOKS
 
 
 def mixes_tensor_parallel_hooks(module: nn.Module) -> bool:
@@ -107,8 +112,10 @@ def tensor_parallel_signature(module: nn.Module) -> tuple:
 
 
 def _closed_over(value: Any) -> Any:
-    if isinstance(value, functools.partial):
+    if isinstance(value, functools.partial):  # distribute_module's input or output function
         value = (value.func, value.args, tuple(sorted(value.keywords.items())))
+    elif isinstance(value, ParallelStyle):  # a PrepareModule* style: its layouts say what it does
+        value = (type(value), repr(value))
     try:
         hash(value)
     except TypeError:  # layouts given as a dict (PrepareModuleInput's keyword layouts)

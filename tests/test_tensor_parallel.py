@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_compile
@@ -97,15 +97,51 @@ class _CheckpointedModel(_Model):
         return self.head(x)
 
 
+class _SequenceBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+class _SequenceModel(_Model):
+    """The residual stack with each MLP in a submodule, for Megatron's sequence parallelism as
+    torchtitan splits its blocks: the residual stream is this rank's part of the sequence as
+    a plain tensor, the MLP gathers it (``PrepareModuleInput``) and reduce-scatters its output
+    back onto it (row-parallel with ``Shard(1)`` output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_SequenceBlock() for _ in range(LAYERS))
+
+
+def _sequence_parallel(model: _SequenceModel, tp_mesh) -> None:
+    parallelize_module(model, tp_mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })  # fmt: skip
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.0": ColwiseParallel(),
+            "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+        })  # fmt: skip
+
+
 def _parallelized(mesh, data_parallel: str | tuple[str, ...] = "dp", kind: str = "plain", **shard_options) -> _Model:
     """The residual stack split by tensor parallelism, then sharded over ``data_parallel``.
     ``kind``: "plain"; "checkpointed" (each block under activation checkpointing); "meta"
     (built on the meta device, split and sharded there, then materialised and loaded from
-    the reference's full state dict); "bf16" (bf16 compute, fp32 reduction)."""
+    the reference's full state dict); "bf16" (bf16 compute, fp32 reduction);
+    "sequence_parallel" (``_SequenceModel`` split by ``_sequence_parallel``)."""
     torch.manual_seed(0)
     with torch.device("meta") if kind == "meta" else contextlib.nullcontext():
-        model = (_CheckpointedModel if kind == "checkpointed" else _Model)()
-    for layer in model.layers:
+        model = {"checkpointed": _CheckpointedModel, "sequence_parallel": _SequenceModel}.get(kind, _Model)()
+    if kind == "sequence_parallel":
+        _sequence_parallel(model, mesh["tp"])
+    for layer in model.layers if kind != "sequence_parallel" else ():
         parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     if kind == "bf16":
         shard_options["mp_policy"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -159,7 +195,9 @@ def test_tensor_parallel_inside_mfsdp_across_trains_at_parity():
     """dp 2 x tp 2 on 4 gloo ranks: every strategy uncompiled and compiled (eager runner),
     ZeRO-3 with Inductor too, with ``fsdp_compile.clip_grad_norm_`` clipping every step, with
     two micro-batches a step (gradient accumulation, ZeRO-3 and ZeRO-1), with every block
-    under activation checkpointing, and built on the meta device then loaded, against the
+    under activation checkpointing, built on the meta device then loaded, and under
+    sequence parallelism with plain tensors between the blocks (``PrepareModuleInput``
+    running in the blocks' body), against the
     unsharded model on the global batch; each gradient lands with its parameter's
     two-dimensional placements. bf16 compute with fp32 reduction: compiled equals
     uncompiled bit for bit, and tracks the fp32 reference (the bound of
@@ -170,10 +208,12 @@ def test_tensor_parallel_inside_mfsdp_across_trains_at_parity():
     runs += [("plain", s, "eager", None, 2) for s in (zero3, "optim")]
     runs += [("checkpointed", zero3, "eager", None, 1), ("meta", zero3, "eager", None, 1)]
     runs += [("bf16", zero3, c, None, 1) for c in ("none", "eager")]
-    references = {max_norm: _reference(max_norm) for max_norm in (None, MAX_NORM)}
+    runs += [("sequence_parallel", zero3, "eager", None, 1)]
+    references = {(False, max_norm): _reference(max_norm) for max_norm in (None, MAX_NORM)}
+    references[True, None] = _reference(build=_SequenceModel)
     for rank_results in spawn(_train, DP * TP, runs=runs):
         for run, r in rank_results.items():
-            ref_losses, ref_params = references[run[3]]
+            ref_losses, ref_params = references[run[0] == "sequence_parallel", run[3]]
             loss_error = relative_error(r["losses"], ref_losses)
             param_error = max(relative_error(r["params"][n], ref_params[n]) for n in ref_params)
             bound = (2e-2, 1e-1) if run[0] == "bf16" else (1e-5, 1e-5)
@@ -181,7 +221,7 @@ def test_tensor_parallel_inside_mfsdp_across_trains_at_parity():
             assert r["grad_placements_kept"], run
         compiled, uncompiled = rank_results["bf16", zero3, "eager", None, 1], rank_results["bf16", zero3, "none", None, 1]
         assert torch.equal(compiled["losses"], uncompiled["losses"])
-        assert all(torch.equal(compiled["params"][n], uncompiled["params"][n]) for n in ref_params)
+        assert all(torch.equal(p, uncompiled["params"][n]) for n, p in compiled["params"].items())
 
 
 def _groups(graph, *targets) -> list[str]:
@@ -218,6 +258,22 @@ def test_parameters_are_gathered_over_dp_and_the_tensor_parallel_collectives_sta
 
 
 @pytest.mark.structure
+def test_prepare_module_input_runs_in_the_one_body_of_sequence_parallel_blocks():
+    """torchtitan's sequence parallelism hands each block a plain tensor, and its MLP's
+    ``PrepareModuleInput`` turns it into a DTensor: that hook is tensor parallelism's, so the
+    body runs it (it is not recorded for the step), and the layers share one body holding the
+    gather of the sequence and the reduce-scatter back."""
+    with fake_process_group(DP * TP):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        tp = mesh["tp"].get_group().group_name
+        model = _parallelized(mesh, kind="sequence_parallel")
+        backend = MfsdpBackend(compiler="eager")
+        _loss(torch.compile(model, backend=backend), _batch(0, 0)).backward()
+    ((body,),) = backend.bodies.values()
+    assert _groups(body.forward, ALL_GATHER, ALL_GATHER_OUT) == [tp] and _groups(body.forward, REDUCE_SCATTER) == [tp]
+
+
+@pytest.mark.structure
 def test_layers_split_otherwise_get_bodies_of_their_own():
     """The same weights' placements and hook counts, other hooks: layer 1's ``up`` hands
     ``down`` a DTensor, which ``down`` takes as it is. What the styles' hooks close over is
@@ -235,6 +291,49 @@ def test_layers_split_otherwise_get_bodies_of_their_own():
         backend = MfsdpBackend(compiler="eager")
         _loss(torch.compile(model, backend=backend), _batch(0, 0)).backward()
     assert len(backend.bodies) == 2 and all(len(graphs) == 1 for graphs in backend.bodies.values())
+
+
+class _MlpOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _ReturnsDTensor(_Model):
+    """Its layers return what a row-parallel ``down`` with ``use_local_output=False`` gives:
+    a DTensor, which the model reads back as a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_MlpOnly() for _ in range(LAYERS))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x).to_local()
+        return self.head(x)
+
+
+@pytest.mark.structure
+def test_a_block_returning_a_dtensor_is_refused_with_the_fix():
+    """A block's compiled body returns plain tensors: a block that returns a DTensor is
+    refused, naming both ways out, rather than handing the step a plain tensor where the
+    model reads a DTensor."""
+    with fake_process_group(DP * TP):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        model = _ReturnsDTensor()
+        for layer in model.layers:
+            plan = {"up": ColwiseParallel(), "down": RowwiseParallel(use_local_output=False)}
+            parallelize_module(layer, mesh["tp"], plan)
+        fully_shard(model, mesh=mesh["dp"])
+        # Raised by the block op's fake kernel while Dynamo traces, which wraps it in its
+        # TorchRuntimeError (as it wraps every error of a block's fake run): our message in it.
+        with pytest.raises(Exception, match="CompileUsageError.*returns a DTensor .*use_local_output=True.*regional"):
+            _loss(torch.compile(model, backend=MfsdpBackend(compiler="eager")), _batch(0, 0))
 
 
 @pytest.mark.structure
