@@ -215,9 +215,9 @@ def body_of(node: fx.Node) -> fx.GraphModule | None:
     backend = record.backend()
     bodies = backend.bodies.get(record.name) if backend is not None else None
     role = "backward" if node.target == BLOCK_BACKWARD else "forward"
-    if not bodies or role not in bodies[0].compiled:
-        return None
-    return bodies[0].compiled[role]
+    # The first compile that has the role (a no-grad call of the same structure compiles an
+    # inference graph only).
+    return next((body.compiled[role] for body in bodies or () if role in body.compiled), None)
 
 
 def with_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:

@@ -172,7 +172,7 @@ def _bench_census(ctx: RankContext) -> dict:
         _one_step(ctx, forward)
     kinds = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
     return {
-        "graphs": {k: graph_census(backend.graphs, backend.bodies)[k] for k in kinds},
+        "graphs": {k: graph_census(backend.graphs)[k] for k in kinds},
         "profiled": {k: profiled_census(prof)[k] for k in kinds},
     }
 

@@ -20,14 +20,14 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from torch.autograd import DeviceType
 from torch.profiler import profile
 
 from fsdp_compile.backend import CompiledGraph
-from fsdp_compile.block_record import call_record
-from fsdp_compile.patterns import collective_facts, is_block_call, is_collective
+from fsdp_compile.patterns import collective_facts, is_collective
+from fsdp_compile.schedule import with_bodies
 
 # c10d ops by kind, with the argument that carries the full-size tensor (all-gather output,
 # reduce-scatter input); the list-based ops record no shapes, so their bytes are unknown.
@@ -54,10 +54,11 @@ def _empty_census(counted_by: str) -> dict:
     return {**{k: 0 for k in _KINDS}, **{f"{k}_bytes": 0 for k in _KINDS}, "counted_by": counted_by}
 
 
-def graph_census(graphs: Iterable[CompiledGraph], bodies: Mapping[str, list[CompiledGraph]] | None = None) -> dict:
+def graph_census(graphs: Iterable[CompiledGraph]) -> dict:
     """Collectives of one step: every compiled graph's forward plus backward, and each repeated
-    block's body (``MfsdpBackend.bodies``) once per call the step makes of it (an expert
-    all-to-all lives in its block's body; NOTE: one op per block call).
+    block's compiled body once per call the step makes of it (``schedule.with_bodies``: an
+    expert all-to-all or tensor parallelism's collectives live in its block's body; NOTE: one
+    op per block call).
 
     Sums over all graphs the backend compiled, which is one step when each frame compiled
     once (a graph break adds frames that all run each step; a recompile would overcount, and
@@ -65,33 +66,20 @@ def graph_census(graphs: Iterable[CompiledGraph], bodies: Mapping[str, list[Comp
     """
     census = _empty_census("compiled graphs (forward + backward)")
     by_dtype: dict[str, int] = {}
-    for gm, times in _graphs_run(graphs, bodies or {}):
+    step = (g for compiled in graphs for role in ("forward", "backward") for g in with_bodies(getattr(compiled, role)))
+    for gm in step:
         for node in gm.graph.nodes:
             if is_collective(node):
                 facts = collective_facts(node)
-                census[facts.kind] += times
-                census[f"{facts.kind}_bytes"] += times * facts.nbytes
+                census[facts.kind] += 1
+                census[f"{facts.kind}_bytes"] += facts.nbytes
                 if facts.kind == "all_gather":
                     for dtype, nbytes in facts.bytes_by_dtype.items():
                         name = str(dtype).removeprefix("torch.")
-                        by_dtype[name] = by_dtype.get(name, 0) + times * nbytes
+                        by_dtype[name] = by_dtype.get(name, 0) + nbytes
     # What the gathers carry (float8 weights travel as uint8 bytes but count as float8).
     census["all_gather_bytes_by_dtype"] = dict(sorted(by_dtype.items()))
     return census
-
-
-def _graphs_run(graphs: Iterable[CompiledGraph], bodies: Mapping[str, list[CompiledGraph]]):
-    """(graph, times it runs per step): each step graph once, each body per call of it."""
-    calls: Counter[tuple[str, str]] = Counter()
-    for compiled in graphs:
-        for role in ("forward", "backward"):
-            gm = getattr(compiled, role)
-            yield gm, 1
-            for node in gm.graph.nodes:
-                if is_block_call(node):
-                    calls[call_record(node.args[-1]).name, role] += 1
-    for (name, role), times in calls.items():
-        yield getattr(bodies[name][0], role), times
 
 
 def profiled_census(prof: profile) -> dict:

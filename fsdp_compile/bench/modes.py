@@ -327,7 +327,7 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
     # A graph loaded from the compile cache was never compiled here: nothing to count in it.
     compiled_here = backend is not None and all(g.compiled for g in backend.all_graphs())
     result["collectives"] = (
-        graph_census(backend.graphs, backend.bodies) if compiled_here else result["profiled_collectives"]
+        graph_census(backend.graphs) if compiled_here else result["profiled_collectives"]
     )
     if mode == "mfsdp-cudagraph":
         step.teardown()
