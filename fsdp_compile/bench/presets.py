@@ -183,21 +183,20 @@ def train_flops(preset: Preset, batch: int, seq: int, tp: int = 1) -> int:
     them (PaLM's appendix B): 6 per token per active matmul weight, plus 12 x layers x width
     x sequence per token for attention. Active: embedding lookups are not matmuls (the
     output head is, tied or not), and each stacked expert weight counts at
-    ``experts_per_token / experts``. With ``tp`` > 1, one rank's share: ``layer_tp_plan``
-    splits every matmul of the decoder layers and their heads over ``tp`` ranks, not the
-    output head. ``torch.utils.flop_counter`` cannot run HF models on
-    the meta device (their masks call ``.item()``), hence the formula."""
+    ``experts_per_token / experts``. With ``tp`` > 1, one rank's share of its tensor-parallel
+    group's: the model's FLOPs over ``tp`` (the output head, which every rank of the group
+    computes whole, counts once, as MFU counts model FLOPs, not the hardware's).
+    ``torch.utils.flop_counter`` cannot run HF models on the meta device (their masks call
+    ``.item()``), hence the formula."""
     with torch.device("meta"):
         model = build(preset)
     head = model.lm_head if isinstance(preset, HFPreset) else model.head
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     top_k = preset.config.get("num_experts_per_tok", 1) if isinstance(preset, HFPreset) else 1
     experts = preset.config.get("num_local_experts", 1) if isinstance(preset, HFPreset) else 1
-    in_layers = {id(p) for p in blocks(model).parameters()}
     active = head.weight.numel() if id(head.weight) in lookups else 0
     for param in model.parameters():
         if param.ndim >= 2 and id(param) not in lookups and param.requires_grad:
-            share = 1 / tp if id(param) in in_layers else 1
-            active += param.numel() * (top_k / experts if param.ndim == 3 else 1) * share
+            active += param.numel() * (top_k / experts if param.ndim == 3 else 1)
     layers, width = len(blocks(model)), head.weight.shape[1]
-    return int(batch * seq * (6 * active + 12 * layers * width * seq / tp))
+    return int(batch * seq * (6 * active + 12 * layers * width * seq) / tp)

@@ -133,7 +133,7 @@ def print_report(document: dict) -> None:
         f"world size {machine['world_size']}{' (fake)' if config['fake_world'] else ''}{split}"
         f"{', emulated ' + config['emulate_link'] + ' link' if config['emulate_link'] else ''}; "
         f"preset {config['preset']}, "
-        f"{config['batch']} x {config['seq']} tokens per rank, {config['steps']} timed steps"
+        f"{config['batch']} x {config['seq']} tokens per {'data-parallel ' if config.get('tp', 1) > 1 else ''}rank, {config['steps']} timed steps"
     )
     print(f"speed-up and memory ratio against {document['baseline']}")
     print("".join(format(name, spec) for name, spec in _COLUMNS))
