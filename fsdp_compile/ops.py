@@ -288,7 +288,7 @@ def reduce_grad(
     group = _resolve_process_group(group_name)
     return reduced(
         RUN,
-        full_grad,
+        full_grad.contiguous(),  # torch's functional collectives take contiguous inputs
         pending,
         strategy=strategy,
         reduce_dtype=reduce_dtype,
