@@ -118,6 +118,13 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     if inline:  # run eagerly, or traced inline
         if call >= 0:
             BLOCK_GRADED(gathered, tensors, call)
+        elif train and self._mfsdp_region_flats and torch.compiler.is_compiling():
+            # Traced inline with no fake run (an argument no constant stands for, a DTensor,
+            # a cache with states): nothing would say which of a flat's members get a
+            # gradient, and an idle one would be handed zeros (NOTE: parameters without a
+            # gradient, in block_fakes.py). The block's own forward instead, each parameter
+            # gathered by its own read: one without a gradient keeps None.
+            return self._mfsdp_region_forward(*args, **kwargs)
         return region_inline(self, layout, recipe, *gathered, *given)
     outputs = BLOCK_FORWARD(gathered, tensors, call)
     form, own, side = call_output_form(call)

@@ -4,6 +4,8 @@ and nothing they do to a parameter is lost on the way to the flat."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -165,6 +167,50 @@ def _gradients_run(rank, world):
         "dtensor": all(type(g).__name__ == "DTensor" for g in member_grads),
         "one_buffer": len({g.to_local().untyped_storage().data_ptr() for g in member_grads if g.to_local().numel()}) == 1,
     }
+
+
+class _Options:
+    """An object of the user's, passed to each block: no constant can stand for it."""
+
+    scale = 1.0
+
+
+class _BlockWithOptions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.idle = nn.Parameter(torch.ones(8))  # read by nothing: autograd gives it no gradient
+
+    def forward(self, x, options):
+        return x + self.linear(x) * options.scale
+
+
+class _CalledWithOptions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_BlockWithOptions() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, _Options())
+        return x.sum()
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_block_traced_inline_keeps_none_for_a_member_without_gradient(compiled):
+    """A block called with an object of the user's is traced inline, without the fake run
+    that tells a flat which members get a gradient: its parameters are then gathered one by
+    one, so the idle one keeps ``.grad is None`` (it was handed zeros, which AdamW decays),
+    as uncompiled and unsharded."""
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = fully_shard(_CalledWithOptions())
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        with pytest.warns(UserWarning, match="called with a _Options") if compiled else contextlib.nullcontext():
+            forward(torch.randn(4, 8)).backward()
+    grads = {n: p.grad is not None for n, p in model.named_parameters()}
+    assert grads == {n: "idle" not in n for n in grads}, grads
 
 
 @pytest.mark.multirank
