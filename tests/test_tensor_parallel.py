@@ -293,11 +293,8 @@ def test_layers_split_otherwise_get_bodies_of_their_own():
     assert len(backend.bodies) == 2 and all(len(graphs) == 1 for graphs in backend.bodies.values())
 
 
-class _MlpOnly(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
+class _MlpOnly(_Block):
+    """``_Block`` without its residual."""
 
     def forward(self, x):
         return self.down(torch.relu(self.up(x)))
