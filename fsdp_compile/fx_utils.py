@@ -72,13 +72,6 @@ def inline_traced(graph: fx.Graph, fn, *nodes: fx.Node) -> fx.Node:
     return graph.graph_copy(traced.graph, dict(zip(placeholders, nodes)))
 
 
-def _kept(node: fx.Node) -> bool:
-    """What dead-code elimination must keep: every node the user's program made (in-place
-    ops, buffer updates and ``copy_`` often have no users, yet they are the program), and any
-    of ours whose op has an effect. See NOTE: nothing the user wrote is removed."""
-    return not is_ours(node) or node.is_impure()
-
-
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
     """Every pass ends here: drop the dead nodes a pass made, check the graph, regenerate code.
 
@@ -90,8 +83,19 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
         only when their op is pure; the user's nodes, used or not, always stay. Later stages
         (AOTAutograd's functionalization, Inductor) see mutations explicitly and clean up
         what is truly dead themselves.
+
+        Not FX's ``eliminate_dead_code`` with a predicate either: it runs itself again on every
+        subgraph (an ``autograd.Function``'s forward and backward, a checkpointed region's
+        body) without the predicate (torch 2.11 to 2.13), and dropped the user's in-place ops
+        there: HF PhiMoE's router lost the ``scatter_add_`` of its custom backward, a
+        checkpointed ``h.mul_(0.5)`` never ran. Passes insert nodes into the top graph only,
+        so only it is swept.
     """
-    gm.graph.eliminate_dead_code(is_impure_node=_kept)
-    gm.graph.lint()
+    graph = gm.graph
+    graph.lint()
+    for node in reversed(graph.nodes):
+        if not node.users and is_ours(node) and not node.is_impure():
+            graph.erase_node(node)
+    graph.lint()
     gm.recompile()
     return gm

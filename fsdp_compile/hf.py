@@ -292,12 +292,18 @@ def is_cache(value: object) -> bool:
 
 
 def cache_empty_at(cache: Any, layers: tuple[int, ...]) -> bool:
-    """Whether ``cache`` holds nothing yet for ``layers`` (traced in the step: HF's own
-    accessors, whose answers Dynamo guards on)."""
+    """Whether ``cache`` is one the stand-in can take the place of (HF's ``DynamicCache``, or an
+    encoder-decoder pair of them) holding nothing yet for ``layers`` (traced in the step: HF's
+    own accessors, whose answers Dynamo guards on)."""
     caches = _cache_utils()
-    if isinstance(cache, caches.EncoderDecoderCache):
-        return all(cache.get_seq_length(layer) == 0 and not cache.is_updated.get(layer) for layer in layers)
-    return isinstance(cache, caches.DynamicCache) and all(cache.get_seq_length(layer) == 0 for layer in layers)
+    # Exactly HF's classes: a subclass has methods of its own (MiniMax's linear-attention
+    # cache), which the stand-in does not answer.
+    if type(cache) is caches.EncoderDecoderCache:
+        parts = (cache.self_attention_cache, cache.cross_attention_cache)
+        return all(type(part) is caches.DynamicCache for part in parts) and all(
+            cache.get_seq_length(layer) == 0 and not cache.is_updated.get(layer) for layer in layers
+        )
+    return type(cache) is caches.DynamicCache and all(cache.get_seq_length(layer) == 0 for layer in layers)
 
 
 def stand_in_spec(cache: Any, layer: int) -> tuple:

@@ -30,7 +30,8 @@ NOTE: HF caches in a repeated block
     (HF's ``layer_idx`` of its attention; a block naming none, or several, runs inline). The
     stand-in never reads the layer it is told: Dynamo would specialise the body on it, one
     compile per layer. A cache that already holds states for the block (generation after its
-    first step) makes the call run inline, as ``regional=False`` would.
+    first step) makes the call run inline, as ``regional=False`` would, and so does a cache
+    of another class (MiniMax's adds linear-attention state and methods the stand-in lacks).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ inside a repeated block and NOTE: HF caches in a repeated block (fsdp_compile/si
 
 from __future__ import annotations
 
+import copy
 import types
 import warnings
 
@@ -251,6 +252,36 @@ def test_a_block_its_body_cannot_take_is_traced_inline_and_said_so():
         with pytest.warns(UserWarning, match="called with a SimpleNamespace"):
             torch.compile(model, backend=backend)(torch.randn(2, 8)).sum().backward()
     assert len(backend.graphs) == 1 and not backend.bodies
+
+
+@pytest.mark.structure
+def test_a_cache_of_another_class_is_traced_inline_and_said_so():
+    """HF MiniMax's default cache is its own ``DynamicCache`` subclass, with linear-attention
+    state and methods of its own. Before, its layers got the body's stand-in, which lacks
+    them: the compile failed (``'DynamicStandIn' object has no attribute
+    'get_linear_cache'``). Now such a call is traced inline, said once, and the loss, every
+    gradient and the cache's length equal eager's (world 1)."""
+    config = transformers.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, max_position_embeddings=2 * SEQ,
+        router_jitter_noise=0.0, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).train()
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    expected = reference(input_ids=tokens, labels=tokens)
+    expected.loss.backward()
+    with fake_process_group(1):
+        model = fully_shard(model)
+        with pytest.warns(UserWarning, match="called with a MiniMaxCache"):
+            out = torch.compile(model, backend=MfsdpBackend(compiler="eager"))(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+    assert torch.equal(out.loss, expected.loss)
+    assert out.past_key_values.get_seq_length() == expected.past_key_values.get_seq_length() == SEQ
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
 
 
 # ---- multirank: parity with the unsharded model --------------------------------------------------

@@ -6,6 +6,10 @@ reference's), an EMA buffer under ``no_grad`` stayed zero, all without an error.
 here trains on the same batch, so batch statistics (BatchNorm) equal the single-process
 reference's on that batch and every buffer can be compared exactly.
 
+An in-place op inside a subgraph (an ``autograd.Function``'s forward or backward, a
+checkpointed region) was dropped too: FX's dead-code elimination, asked to keep the user's
+nodes, runs itself again on each subgraph without being asked (fsdp_compile/fx_utils.py).
+
 A repeated block's buffers change inside its body, a frame of its own (NOTE: one op per block
 call, in fsdp_compile/block_call.py): a block with a buffer failed to compile there, and run
 on fake tensors while the step was traced, a block's op on buffers alone updated the real
@@ -14,6 +18,7 @@ buffer once more.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -23,9 +28,7 @@ from torch import nn
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.ops import STRATEGIES
-from harness import full_parameters, max_param_error, relative_error, spawn, train
-
-pytestmark = pytest.mark.multirank
+from harness import fake_process_group, full_parameters, max_param_error, relative_error, spawn, train
 
 STEPS = 3
 
@@ -128,6 +131,7 @@ def _every_strategy(rank: int, world: int, *, compiler: str, net: type[nn.Module
     return results
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 @pytest.mark.parametrize("net", [InPlaceNet, RepeatedBlockNet], ids=["one_graph", "repeated_blocks"])
 def test_inplace_ops_and_buffer_updates_survive_every_strategy(compiler, net):
@@ -142,3 +146,99 @@ def test_inplace_ops_and_buffer_updates_survive_every_strategy(compiler, net):
             assert set(r["counts"].values()) == {STEPS}, (strategy, r)
             assert r["loss"] < 1e-5 and r["param"][0] < 1e-5, (strategy, r)
             assert all(error < 1e-5 for error in r["buffers"].values()), (strategy, r)
+
+
+class _DoublesItsGradientInPlace(torch.autograd.Function):
+    """A custom backward that changes its gradient in place and returns it (HF PhiMoE's
+    router does the same with ``scatter_add_``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad_in = grad.clone()
+        grad_in.mul_(2.0)
+        return grad_in
+
+
+class _SubgraphBlock(nn.Module):
+    """In-place ops whose result nobody reads, inside subgraphs: a custom backward's, and a
+    checkpointed region's."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def _checkpointed(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(x)
+        h.mul_(0.5)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _DoublesItsGradientInPlace.apply(self.fc(x)).tanh()
+        return x + torch.utils.checkpoint.checkpoint(self._checkpointed, h, use_reentrant=False)
+
+
+class _SubgraphNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_SubgraphBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("regional", [True, False], ids=["bodies", "whole_graph"])
+def test_inplace_ops_inside_subgraphs_survive(regional):
+    """A checkpointed ``h.mul_(0.5)`` and a custom backward's ``grad.mul_(2.0)``: the loss and
+    every gradient equal the unsharded model's exactly (world 1, the eager runner). Before,
+    both were dropped: the loss was off by 0.2 and every gradient wrong."""
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    reference = _SubgraphNet()
+    expected = reference(x)
+    expected.backward()
+    with fake_process_group(1):  # world 1: the gathers copy this rank's whole shard
+        torch.manual_seed(0)
+        model = fully_shard(_SubgraphNet())
+        loss = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=regional))(x)
+        loss.backward()
+    assert torch.equal(loss, expected)
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
+
+
+@pytest.mark.structure
+def test_hf_phimoe_router_gets_its_custom_backward():
+    """HF PhiMoE routes through ``sparsemixer``, whose ``autograd.Function`` backward adds the
+    gradient at the chosen experts with ``scatter_add_``. With its jitter at 0 a router's
+    gradient is exactly zero (one expert unmasked: the two terms cancel); compiled, it was
+    not (the ``scatter_add_`` dropped). Every gradient equals eager's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.PhimoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, max_position_embeddings=64, router_jitter_noise=0.0,
+        input_jitter_noise=0.0, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).train()
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(1)
+    reference(input_ids=tokens, labels=tokens).loss.backward()
+    with fake_process_group(1):
+        model = fully_shard(model)
+        torch.manual_seed(1)
+        torch.compile(model, backend=MfsdpBackend(compiler="eager"))(input_ids=tokens, labels=tokens).loss.backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    routers = [name for name in grads if name.endswith("router.weight")]
+    assert routers and all(not reference.get_parameter(name).grad.any() for name in routers)
+    for name, p in reference.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
