@@ -37,6 +37,11 @@ NOTE: HF's value-dependent decisions, made before the trace
     captures; inside ``inputs_unread()`` the prelude leaves the inputs as they are (HF's
     masked path, right for any values a replay brings) and says so once.
 
+    A call that checkpoints its layers (``gradient_checkpointing_enable()``, training,
+    gradients on) gets ``use_cache=False``, as HF makes it inside its forward: there HF says so
+    through its logger, which Dynamo cannot trace (a graph break in the step under HF's
+    default ``use_cache=True``); the prelude says HF's message through HF's logger instead.
+
     The prelude also installs HF's output-capturing hooks (``output_router_logits``,
     ``output_attentions``...) before the trace when the call asks for them: HF installs them
     lazily inside its forward, where a compiled body would not yet see them (NOTE: hooks
@@ -144,6 +149,8 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
     # HF renamed the property in 5.24 and warns on the old name.
     renamed = hasattr(type(model), "is_activation_checkpointing")
     checkpointed = getattr(model, "is_activation_checkpointing" if renamed else "is_gradient_checkpointing", False)
+    if checkpointed and model.training and torch.is_grad_enabled():
+        _drop_cache_as_hf_does(model, bound)
     if _install_output_hooks(model, arguments) and checkpointed and hasattr(torch._dynamo.config, _SKIP_REPLAY):
         # HF's output hooks append to its collector, outside the checkpoint region of each
         # layer, which Dynamo refuses (a graph break per layer) unless the recompute in the
@@ -162,6 +169,30 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
         masking._ignore_causal_mask_sdpa = _answered_skip(skip)
         held["_ignore_causal_mask_sdpa"] = skip
     return bound, held
+
+
+_CACHE_DROPPED = "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`."
+
+
+def _drop_cache_as_hf_does(model: nn.Module, bound: inspect.BoundArguments) -> None:
+    """HF turns ``use_cache`` off for a call that checkpoints its layers (training, gradients
+    on), saying so through its logger: traced, the logger call breaks the graph (HF configs
+    default to ``use_cache=True``). The call gets ``use_cache=False`` here, and HF's logger
+    the same message, once."""
+    parameters = _signature(type(model).forward).parameters
+    extra = next((name for name, p in parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    arguments = bound.arguments
+    into = arguments if "use_cache" in parameters else arguments.setdefault(extra, {}) if extra else None
+    if into is None:
+        return
+    asked = into.get("use_cache")
+    if asked is None:
+        asked = getattr(getattr(model, "config", None), "use_cache", None)
+    if asked:
+        into["use_cache"] = False
+        logger = getattr(_module("transformers.utils.generic"), "logger", None)
+        if hasattr(logger, "warning_once"):
+            logger.warning_once(_CACHE_DROPPED)
 
 
 @functools.cache

@@ -105,19 +105,23 @@ def test_a_step_compiled_with_dynamic_shapes_compiles_each_body_whole():
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no_cache", "hf_default_cache"])
 @pytest.mark.parametrize("regional", [True, False])
-def test_hf_gradient_checkpointing_compiles_the_step_without_a_graph_break(regional):
+def test_hf_gradient_checkpointing_compiles_the_step_without_a_graph_break(regional, use_cache):
     """HF's ``gradient_checkpointing_enable()`` calls each layer inside
     ``torch.utils.checkpoint``, a higher-order op to Dynamo, which breaks the graph at any
     store into a module's dict made inside it. Traced inline (``regional=False``) the body
     puts its weights in place inside that op; as its own frame (the default), outside any.
-    Either way the step is one graph and the body one compile for all layers."""
+    Either way the step is one graph and the body one compile for all layers. With HF's
+    default ``use_cache=True``, HF turns the cache off and says so through its logger, which
+    broke the graph; the call now gets ``use_cache=False`` before the trace, no cache comes
+    back (as eagerly)."""
     transformers = pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+        num_key_value_heads=2, max_position_embeddings=32, use_cache=use_cache,
     )
     breaks = sum(counters["graph_break"].values())
     with fake_process_group(8):
@@ -127,9 +131,10 @@ def test_hf_gradient_checkpointing_compiles_the_step_without_a_graph_break(regio
         model = fully_shard(model.train())
         backend = MfsdpBackend(compiler="eager", regional=regional)
         tokens = torch.randint(0, 128, (2, 16))
-        torch.compile(model, backend=backend)(input_ids=tokens, labels=tokens).loss.backward()
+        out = torch.compile(model, backend=backend)(input_ids=tokens, labels=tokens)
+        out.loss.backward()
     assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
-    assert len(backend.graphs) == 1
+    assert len(backend.graphs) == 1 and out.past_key_values is None
     # Each layer's call lies in the checkpoint op's subgraph.
     calls = [c for gm in backend.graphs[0].dynamo.modules() if isinstance(gm, torch.fx.GraphModule) for c in _calls(gm)]
     if regional:
