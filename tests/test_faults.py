@@ -1,4 +1,5 @@
-"""Faults: a rank that dies mid-training leaves the others with an error, not a hang."""
+"""Faults: a rank that dies mid-training leaves the others with an error, not a hang; a rank
+that hangs is killed and reported by the harness."""
 
 from __future__ import annotations
 
@@ -41,6 +42,39 @@ def test_surviving_rank_errors_within_the_process_group_timeout():
     assert dead is None  # rank 1 really died
     assert result["error"] is not None, "the surviving rank finished a step with a dead peer"
     assert result["seconds"] < PG_TIMEOUT + 10, result
+
+
+def _rank_one_hangs(rank, world, *, pid_file):
+    """Rank 1 writes its pid and hangs (no error, no exit); rank 0 returns."""
+    if rank == 1:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)
+    return rank
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, killed and not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_a_hung_rank_is_killed_and_reported(tmp_path):
+    """The harness waits ``timeout`` for a rank, then kills it (SIGKILL) and fails the test
+    naming it, instead of hanging the suite."""
+    pid_file = tmp_path / "pid"
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank 1 produced no result \(killed or timed out\)"):
+        spawn(_rank_one_hangs, 2, timeout=5, pid_file=str(pid_file))
+    assert time.monotonic() - start < 60
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(pid), f"rank 1 (pid {pid}) still runs"
 
 
 def _environment(rank, world):

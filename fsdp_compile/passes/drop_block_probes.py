@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from fsdp_compile.fx_utils import finish
 from fsdp_compile.patterns import is_block_probe
 from fsdp_compile.plan import Plan
 
@@ -19,12 +20,7 @@ def drop_block_probes(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for node in probes:
         assert not node.users, f"{node.name}'s token is read"
         gm.graph.erase_node(node)
-    # Not fx_utils.finish: its dead-code elimination, run this early (before
-    # dedupe_unshards), broke float8 with gradient accumulation (parameters 19% off after one
-    # step; found by bisection, test_float8.py). This pass removes its probes and nothing else.
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    return finish(gm)
 
 
 def check_drop_block_probes(gm: fx.GraphModule, plan: Plan) -> None:
