@@ -4,9 +4,8 @@
     python benchmarks/hf_families.py llama,phimoe --checkpointing
 
 For each family: a tiny model from its config class (HF's defaults, dropout and router jitter
-off), trained one step eagerly and, from the same weights, sharded at world 1 (the fake process
-group copies the rank's whole shard, so the arithmetic is real) and compiled with the eager
-runner. Three calls each: HF's default ``use_cache=True``, ``use_cache=False``, and a padded
+off), trained one step eagerly and, from the same weights, sharded over one gloo rank (its
+collectives compute, so the arithmetic is real) and compiled with the eager runner. Three calls each: HF's default ``use_cache=True``, ``use_cache=False``, and a padded
 batch. A row says whether the loss and every gradient equal eager's bit for bit, whether each
 parameter that eager leaves without a gradient stays without one, how many graphs the step
 took (1: no graph break), how often each block's body compiled, and whether every SDPA call
@@ -25,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import MfsdpBackend, fully_shard
 
@@ -104,7 +102,7 @@ def check(family: str, use_cache: bool, padded: bool, checkpointing: bool) -> st
         expected.loss.backward()
     except Exception as error:  # the family's own limits, not mfsdp's
         return f"eager fails: {type(error).__name__}: {str(error)[:120]}"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         sharded = fully_shard(model)
         backend = MfsdpBackend(compiler="eager")

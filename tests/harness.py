@@ -151,6 +151,18 @@ def fake_process_group(world: int, rank: int = 0):
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def one_rank_group():
+    """A real gloo process group of one rank in this process: its collectives compute (a
+    reduce-scatter over one rank returns its input), so gradients can be compared bit for bit;
+    the fake group's leave their outputs unwritten on torch 2.11."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def compile_one_step(model, cfg: TransformerConfig, *, rank: int = 0, dynamic: bool | None = None, **options):
     """The one compiled graph of one training step: ``model`` (already sharded, on the current
     process group) compiled with the eager runner and ``options``, run forward and backward on

@@ -17,7 +17,7 @@ import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.block_call import BLOCK_FORWARD
-from harness import SUMMATION_ORDER_EPS, fake_process_group, relative_error, spawn
+from harness import SUMMATION_ORDER_EPS, fake_process_group, one_rank_group, relative_error, spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -260,7 +260,7 @@ def test_a_cache_of_another_class_is_traced_inline_and_said_so():
     state and methods of its own. Before, its layers got the body's stand-in, which lacks
     them: the compile failed (``'DynamicStandIn' object has no attribute
     'get_linear_cache'``). Now such a call is traced inline, said once, and the loss, every
-    gradient and the cache's length equal eager's (world 1)."""
+    gradient and the cache's length equal eager's (one gloo rank)."""
     config = transformers.MiniMaxConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, max_position_embeddings=2 * SEQ,
@@ -272,7 +272,7 @@ def test_a_cache_of_another_class_is_traced_inline_and_said_so():
     tokens = torch.randint(0, VOCAB, (2, SEQ))
     expected = reference(input_ids=tokens, labels=tokens)
     expected.loss.backward()
-    with fake_process_group(1):
+    with one_rank_group():
         model = fully_shard(model)
         with pytest.warns(UserWarning, match="called with a MiniMaxCache"):
             out = torch.compile(model, backend=MfsdpBackend(compiler="eager"))(input_ids=tokens, labels=tokens)

@@ -28,7 +28,7 @@ from torch import nn
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.ops import STRATEGIES
-from harness import fake_process_group, full_parameters, max_param_error, relative_error, spawn, train
+from harness import full_parameters, max_param_error, one_rank_group, relative_error, spawn, train
 
 STEPS = 3
 
@@ -197,14 +197,14 @@ class _SubgraphNet(nn.Module):
 @pytest.mark.parametrize("regional", [True, False], ids=["bodies", "whole_graph"])
 def test_inplace_ops_inside_subgraphs_survive(regional):
     """A checkpointed ``h.mul_(0.5)`` and a custom backward's ``grad.mul_(2.0)``: the loss and
-    every gradient equal the unsharded model's exactly (world 1, the eager runner). Before,
+    every gradient equal the unsharded model's exactly (one gloo rank, the eager runner). Before,
     both were dropped: the loss was off by 0.2 and every gradient wrong."""
     x = torch.randn(4, 8)
     torch.manual_seed(0)
     reference = _SubgraphNet()
     expected = reference(x)
     expected.backward()
-    with fake_process_group(1):  # world 1: the gathers copy this rank's whole shard
+    with one_rank_group():
         torch.manual_seed(0)
         model = fully_shard(_SubgraphNet())
         loss = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=regional))(x)
@@ -233,7 +233,7 @@ def test_hf_phimoe_router_gets_its_custom_backward():
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(1)
     reference(input_ids=tokens, labels=tokens).loss.backward()
-    with fake_process_group(1):
+    with one_rank_group():
         model = fully_shard(model)
         torch.manual_seed(1)
         torch.compile(model, backend=MfsdpBackend(compiler="eager"))(input_ids=tokens, labels=tokens).loss.backward()
