@@ -179,11 +179,13 @@ def _drop_cache_as_hf_does(model: nn.Module, bound: inspect.BoundArguments) -> N
     on), saying so through its logger: traced, the logger call breaks the graph (HF configs
     default to ``use_cache=True``). The call gets ``use_cache=False`` here, and HF's logger
     the same message, once."""
-    parameters = _signature(type(model).forward).parameters
+    parameters = bound.signature.parameters
     extra = next((name for name, p in parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    arguments = bound.arguments
-    into = arguments if "use_cache" in parameters else arguments.setdefault(extra, {}) if extra else None
-    if into is None:
+    if "use_cache" in parameters:
+        into = bound.arguments
+    elif extra is not None:
+        into = bound.arguments.setdefault(extra, {})
+    else:
         return
     asked = into.get("use_cache")
     if asked is None:

@@ -183,10 +183,10 @@ def _say_inline(block: str, argument: str) -> None:
     """Said once per block class and argument type (Python's warnings keep the first)."""
     warnings.warn(
         f"a repeated {block} is called with a {argument}, which mfsdp cannot hand to the "
-        "block's compiled body (only tensors, None, numbers, strings, dtypes, devices and HF's "
-        "DynamicCache and EncoderDecoderCache go through): each such call is traced inline in the step, as with "
-        "options={'regional': False}, and compile time grows with depth. Pass the values the "
-        "block reads from it instead (tensors or constants).",
+        "block's compiled body (only tensors, None, numbers, strings, dtypes, devices and "
+        "HF's DynamicCache and EncoderDecoderCache go through): each such call is traced "
+        "inline in the step, as with options={'regional': False}, and compile time grows with "
+        "depth. Pass the values the block reads from it instead (tensors or constants).",
         stacklevel=2,
     )
 
