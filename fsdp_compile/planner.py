@@ -70,8 +70,12 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
         if info is None:
             if isinstance(value, nn.Parameter):
                 raise CompileUsageError(
-                    f"parameter {_source_name(node)} was not sharded: call "
-                    "fsdp_compile.fully_shard(model) before torch.compile(model, backend='mfsdp')."
+                    f"parameter {_source_name(node)} was not sharded by fsdp_compile: call "
+                    "fsdp_compile.fully_shard(model) before torch.compile(model, backend='mfsdp'). "
+                    "A model sharded by torch.distributed.fsdp.fully_shard (FSDP2) gathers its "
+                    "parameters in eager hooks, which mfsdp does not compose with: shard it with "
+                    "fsdp_compile.fully_shard instead, or keep FSDP2 and compile its blocks with "
+                    "backend='inductor'."
                 )
             continue
         local = value.to_local() if isinstance(value, DTensor) else value

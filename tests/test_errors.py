@@ -79,6 +79,24 @@ def test_compiling_an_unsharded_model_says_to_call_fully_shard():
 
 
 @pytest.mark.structure
+def test_compiling_a_model_sharded_by_fsdp2_names_the_swap():
+    """A user moving from FSDP2 keeps torch's ``fully_shard`` and switches the backend: the
+    error says the two do not compose and which ``fully_shard`` to call."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    with fake_process_group(2):
+        cfg = TransformerConfig()
+        model = build_model(cfg)
+        for layer in model.layers:
+            fsdp2_fully_shard(layer)
+        fsdp2_fully_shard(model)
+        compiled = torch.compile(model, backend="mfsdp", options={"compiler": "eager"})
+        tokens, _ = make_batch(cfg, 2, 8, step=0)
+        with pytest.raises(ValueError, match=r"torch\.distributed\.fsdp\.fully_shard \(FSDP2\)"):
+            compiled(tokens)
+
+
+@pytest.mark.structure
 def test_usage_errors_are_value_errors():
     assert issubclass(UsageError, ValueError)
 

@@ -9,6 +9,7 @@ inside a repeated block and NOTE: HF caches in a repeated block (fsdp_compile/si
 from __future__ import annotations
 
 import copy
+import tempfile
 import types
 import warnings
 
@@ -367,14 +368,39 @@ def _hf_parity(rank, world, *, family, padded):
     # The reference's hook ran on every rank's batch in turn; this rank's are every world-th.
     per_call = len(ref_seen_mine) // (3 * world)
     mine = [v for step in range(3) for v in ref_seen_mine[(step * world + rank) * per_call : (step * world + rank + 1) * per_call]]
+    hook = max(abs(a - b) / b for a, b in zip(seen, mine)) if len(seen) == len(mine) else ("calls", len(seen), len(mine))
+    after = _after_training(model, reference, rank, params) if family == "llama" and not padded else {}
     return {
         "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
         "grad_names": sorted(grads) == sorted(ref_grads),
         "grad": max(relative_error(grads[n], ref_grads[n]) for n in ref_grads),
         "param": max((relative_error(params[n], ref_params[n].detach()), n) for n in params),
         "cache": None if cache is None else max(relative_error(c, r) for c, r in zip(cache, ref_cache)),
-        "hook": max(abs(a - b) / b for a, b in zip(seen, mine)) if len(seen) == len(mine) else ("calls", len(seen), len(mine)),
+        "hook": hook,
+        **after,
     }
+
+
+def _after_training(model, reference, rank: int, params: dict) -> dict:
+    """What users do once trained: HF's ``save_pretrained`` of the full state dict (sharded
+    parameters alone fail in safetensors, under FSDP2 too; docs/user_guide.md, "Checkpoints")
+    reloaded by ``from_pretrained``, and greedy ``generate`` from the sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    saved = None
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as path:
+            model.save_pretrained(path, state_dict=full)
+            loaded = type(reference).from_pretrained(path)
+        saved = max(relative_error(p.detach(), params[n]) for n, p in loaded.named_parameters())
+    prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(7))
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
+        expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
+    return {"saved": saved, "generated": torch.equal(generated, expected)}
 
 
 @pytest.mark.multirank
@@ -393,3 +419,6 @@ def test_hf_habits_train_at_parity(family, padded):
         assert result["hook"] is not None and not isinstance(result["hook"], tuple) and result["hook"] < 1e-5, result
         if result["cache"] is not None:
             assert result["cache"] < 1e-5, result
+        if "saved" in result:
+            assert result["generated"], result
+            assert result["saved"] is None or result["saved"] == 0.0, result
