@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
-from fsdp_compile.block_runtime import autograd_inside, body_weights
+from fsdp_compile.block_runtime import autocast_as, autograd_inside, body_weights
 from fsdp_compile.compat import compiling
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
@@ -99,7 +99,7 @@ def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> d
     # Static shapes give the same answer in every fake mode (Dynamo's, then AOTAutograd's):
     # one run serves both. Symbolic ones belong to their mode's shape environment.
     symbolic = any(isinstance(s, torch.SymInt) for t in (*weights, *tensors) for s in (*t.shape, *t.stride()))
-    key = (call.name, call.layout, call.recipe, call.constants, call.train, id(fake_mode) if symbolic else None,
+    key = (call.name, call.layout, call.recipe, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
            tuple(map(str, map(tensor_metadata, weights))), tuple(map(str, map(tensor_metadata, tensors))))
     outputs = _outputs_of_this_compile()
     if key not in outputs:
@@ -223,7 +223,7 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
     leaves = [t.detach().requires_grad_(call.train and t.is_floating_point()) for t in (*inputs, *tensors)]
     count = len(inputs)
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
-    with autograd_inside() if call.train else torch.no_grad(), forward:
+    with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), forward:
         output = call.body(
             call.block(), call.layout, call.recipe, side, *leaves[:count], *call.leaves(leaves[count:], stand_ins)
         )

@@ -50,6 +50,11 @@ class BlockCall:
     """Traced with grad enabled: the forward keeps its autograd graph for the backward."""
     backend: weakref.ref
     """The MfsdpBackend that compiles the body's frame (it outlives the step it compiled)."""
+    autocast: tuple = ()
+    """The autocast state at the call, as Dynamo traced it (``autocast_state``): the step's
+    graph runs with autocast off, its casts baked in (AOTAutograd does so for any graph traced
+    under autocast), so the body's frame, which the step calls as one op, gets it back
+    (NOTE: autocast in a block call, in block_runtime.py)."""
     flats: tuple[FlatCopy, ...] = ()
     """The first gathered weights are the block's flat parameters: how each is copied out
     and its gradient packed (NOTE: a flat's copies in the block call)."""

@@ -44,6 +44,43 @@ def generators_at(state: Tensor, device: torch.device) -> Iterator[None]:
         _set_generator_states(current, device)
 
 
+# NOTE: autocast in a block call. A user's `torch.autocast` around the step (or inside the
+# model's forward) must reach the block's ops as it does in eager. Dynamo does not put an
+# ambient autocast into the step's graph: AOTAutograd traces the graph under it, bakes the
+# casts in, and runs the compiled graph with autocast off, so an op of ours inside it sees
+# autocast off and would run the block's matmuls in the parameters' dtype. The state is read
+# at the call while Dynamo traces it (`_block_call` runs, rather than traced, in Dynamo, and
+# sees an autocast entered inside the frame too) and every run of the body re-enters it: the
+# forward, its fake run and a checkpointed call's recompute. The body's frame guards on it
+# like any frame, so a step under autocast and one without compile a body each.
+
+
+def autocast_state() -> tuple:
+    """What ``torch.autocast`` is set to on this thread: ``(device_type, enabled, dtype)`` per
+    device type that has autocast, then whether casts are cached."""
+    devices = tuple(
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in torch._C._autocast_supported_devices()
+    )
+    return (*devices, torch.is_autocast_cache_enabled())
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple) -> Iterator[None]:
+    """Autocast set to ``state`` (``autocast_state``'s) inside, as it was after."""
+    if not state:  # a call recorded outside a trace (the simulator's step on meta tensors)
+        yield
+        return
+    *devices, cache_enabled = state
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in devices:
+            # Only where it differs: a device type with no autocast module (privateuseone
+            # without a backend) refuses even a disabled context.
+            if (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) != (enabled, dtype):
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
+        yield
+
+
 _PENDING: dict[int, tuple] = {}
 """A forward's autograd graph, by its token's address, until its backward takes it."""
 _SWEEP_AT = [64]
@@ -200,7 +237,7 @@ def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -
     token = token_like([*weights, *tensors])
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     if not call.train:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_as(call.autocast):
             output = frame(
                 block, call.layout, call.recipe, side, *body_weights(call, weights), *call.leaves(tensors, stand_ins)
             )
@@ -209,7 +246,8 @@ def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -
     slots = [_slot(w) for w in body_weights(call, weights)]
     inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
     with autograd_inside():
-        output = frame(block, call.layout, call.recipe, side, *slots, *call.leaves(inputs, stand_ins))
+        with autocast_as(call.autocast):
+            output = frame(block, call.layout, call.recipe, side, *slots, *call.leaves(inputs, stand_ins))
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
     _release(slots)
     _keep(token, (outputs, slots, inputs))

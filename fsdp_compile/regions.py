@@ -50,6 +50,7 @@ from fsdp_compile import hf
 from fsdp_compile.backend import compiling_backend
 from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED
 from fsdp_compile.block_record import BlockCall, FlatCopy, register_call
+from fsdp_compile.block_runtime import autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat, note_graded
 from fsdp_compile.gathered_reads import unshard_marker
 from fsdp_compile.records import next_param_id, shard_info
@@ -160,7 +161,7 @@ def _block_call(
     call = register_call(BlockCall(
         block=weakref.ref(block), body=body, name=name, layout=layout, recipe=recipe,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
-        flats=flats,
+        autocast=autocast_state(), flats=flats,
     ))
     return call, not backend.options.regional
 
