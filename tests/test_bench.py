@@ -161,29 +161,30 @@ def test_tensor_parallel_bench_refuses_what_it_cannot_split_and_names_the_fix(ar
 def test_second_bench_run_over_a_compile_cache_is_a_restart(tmp_path):
     """``--compile-cache DIR``: each mode compiles in a folder of its own inside DIR with the
     caches on, so a second run over DIR loads every graph the first compiled, as a restart
-    after preemption does, for FSDP2 + per-block compile and mfsdp alike. The first run
-    loads nothing (a mode never reads another's kernels: NOTE: each mode compiles cold),
-    the restart computes the same first loss, and its collectives, counted by the profiler
-    where no graph was compiled, are those the first run's compiled graphs hold."""
+    after preemption does. The first run loads nothing (NOTE: each mode compiles cold), the
+    restart computes the same first loss, and its collectives, counted by the profiler where
+    no graph was compiled, are those the first run's compiled graphs hold. mfsdp alone: the
+    folder and the counters are the same code for every mode (``bench.modes.compile_caches``),
+    and an Inductor compile of FSDP2's blocks doubled the test's time (63 s)."""
     pytest.importorskip("transformers")
     runs = [
         _run_bench(
-            tmp_path / f"bench{i}.json", preset="hf-llama-tiny", modes=("fsdp2-compile", "mfsdp"),
+            tmp_path / f"bench{i}.json", preset="hf-llama-tiny", modes=("mfsdp",),
             where=("--fake-world", "2", "--compile-cache", str(tmp_path / "caches")), compiler="inductor",
         )
         for i in range(2)
     ]
     cold, restart = ({r["mode"]: r for r in run["results"]} for run in runs)
-    for mode in ("fsdp2-compile", "mfsdp"):
-        assert cold[mode]["compile_cache"]["folder"] == str((tmp_path / "caches" / mode).resolve())
-        assert cold[mode]["compile_cache"]["aot_autograd_hits"] == cold[mode]["compile_cache"]["fx_graph_hits"] == 0
-        assert cold[mode]["compile_cache"]["aot_autograd_misses"] >= 1, cold[mode]
-        loaded = restart[mode]["compile_cache"]
-        assert loaded["aot_autograd_misses"] == loaded["fx_graph_misses"] == 0, loaded
-        assert loaded["aot_autograd_hits"] == cold[mode]["compile_cache"]["aot_autograd_misses"], loaded
-        assert loaded["fx_graph_hits"] == cold[mode]["compile_cache"]["fx_graph_misses"], loaded
-        # Only the first loss: the fake group's reduce-scatters leave their outputs unwritten.
-        assert restart[mode]["loss_step0"] == cold[mode]["loss_step0"]
+    first = cold["mfsdp"]["compile_cache"]
+    assert first["folder"] == str((tmp_path / "caches" / "mfsdp").resolve())
+    assert first["aot_autograd_hits"] == first["fx_graph_hits"] == 0
+    assert first["aot_autograd_misses"] >= 1, first
+    loaded = restart["mfsdp"]["compile_cache"]
+    assert loaded["aot_autograd_misses"] == loaded["fx_graph_misses"] == 0, loaded
+    assert loaded["aot_autograd_hits"] == first["aot_autograd_misses"], loaded
+    assert loaded["fx_graph_hits"] == first["fx_graph_misses"], loaded
+    # Only the first loss: the fake group's reduce-scatters leave their outputs unwritten.
+    assert restart["mfsdp"]["loss_step0"] == cold["mfsdp"]["loss_step0"]
     assert cold["mfsdp"]["collectives"]["counted_by"].startswith("compiled graphs")
     assert restart["mfsdp"]["collectives"]["counted_by"].startswith("torch.profiler")
     for kind in ("all_gather", "reduce_scatter"):

@@ -257,8 +257,10 @@ def _hf_llama(checkpointed: bool) -> nn.Module:
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("where", ["around_the_step", "inside_the_forward"])
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize(
+    "where, checkpointed", [("around_the_step", False), ("inside_the_forward", True)],
+    ids=["around_the_step", "inside_the_forward-checkpointed"],
+)
 def test_autocast_reaches_the_blocks_as_in_eager(where, checkpointed):
     """A user's ``torch.autocast(bfloat16)`` on an HF Llama, around the step or entered by the
     model's own forward, steps with and without it alternating: the compiled step (regional
