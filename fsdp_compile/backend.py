@@ -30,9 +30,10 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.fx.graph import _BoxedCodeGen
 
 from fsdp_compile.block_call import block_calls_keep_their_buffers
+from fsdp_compile.block_record import call_record
 from fsdp_compile.compat import compile_caches_work
 from fsdp_compile.debug import GraphDumper, debug_dir, frame_dumper
-from fsdp_compile.patterns import is_block_call
+from fsdp_compile.patterns import is_block_call, is_block_forward, is_block_probe
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan
 from fsdp_compile.planner import build_plan
@@ -115,6 +116,9 @@ class CompiledGraph:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, options: BackendOptions) -> None:
         self.plan: Plan = build_plan(gm, example_inputs, options)
+        self.calls = tuple(call_record(n.args[2]) for n in gm.graph.nodes if is_block_forward(n) or is_block_probe(n))
+        """The block calls this graph names, kept by the graph too: one kept for inspection
+        (the simulator, ``explain``) reads them after its backend is gone."""
         self.pipeline = build_pipeline(self.plan)
         root = debug_dir(options.debug_dir)
         self.dumper = GraphDumper(root, self.plan) if root else None
@@ -275,6 +279,9 @@ class MfsdpBackend:
         self.options = BackendOptions.parse(options)
         self.graphs: list[CompiledGraph] = []
         self.bodies: dict[str, list[CompiledGraph]] = defaultdict(list)
+        self.calls: list = []
+        """The repeated blocks' calls this backend's traces named (``block_record.BlockCall``):
+        owned here, they live as long as the graphs that name them."""
         self._serial = next(_BACKEND_SERIALS)
         self._frames: dict[str, Callable] = {}
 

@@ -4,6 +4,7 @@ carries (NOTE: one op per block call, in block_call.py), and the form of a body'
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -76,17 +77,30 @@ class BlockCall:
         return [next(tensors) if not c else stand_ins[at][0] if at in stand_ins else c[0] for at, c in enumerate(self.constants)]
 
 
-_CALLS: list[BlockCall] = []
+_CALLS: weakref.WeakValueDictionary[int, BlockCall] = weakref.WeakValueDictionary()
+"""Every live call, by the index the step's graphs name it by. The backend that traced a call
+owns its record (``MfsdpBackend.calls``): it lives as long as the graphs naming it and goes
+with them; this table only names."""
+_CALL_INDICES = itertools.count()
 
 
-def register_call(call: BlockCall) -> int:
-    """The index ``block_forward`` names ``call`` by."""
-    _CALLS.append(call)
-    return len(_CALLS) - 1
+def register_call(call: BlockCall, owner: list[BlockCall]) -> int:
+    """The index ``block_forward`` names ``call`` by; ``owner`` (its backend's ``calls``)
+    keeps it."""
+    owner.append(call)
+    index = next(_CALL_INDICES)
+    _CALLS[index] = call
+    return index
 
 
 def call_record(index: int) -> BlockCall:
-    return _CALLS[index]
+    record = _CALLS.get(index)
+    if record is None:
+        raise CompileUsageError(
+            f"block call {index} was traced by an mfsdp backend that no longer exists: keep the "
+            "object torch.compile returned (it holds the backend) for as long as you run the step."
+        )
+    return record
 
 
 def tensor_metadata(tensor: Tensor) -> tuple:

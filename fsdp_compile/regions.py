@@ -162,7 +162,7 @@ def _block_call(
         block=weakref.ref(block), body=body, name=name, layout=layout, recipe=recipe,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
         autocast=autocast_state(), flats=flats,
-    ))
+    ), backend.calls)
     return call, not backend.options.regional
 
 

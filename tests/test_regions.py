@@ -10,6 +10,9 @@ for layer 0 with its value baked in is off by far more than rounding.
 
 from __future__ import annotations
 
+import gc
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -17,7 +20,7 @@ from torch import nn
 from fsdp_compile.node_meta import PREFETCH
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.block_call import BLOCK_FORWARD
-from fsdp_compile.block_record import call_record
+from fsdp_compile.block_record import call_record, register_call
 from fsdp_compile.testing.models import RMSNorm, TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives, is_all_gather
@@ -78,11 +81,38 @@ def test_each_torch_compile_call_by_name_owns_the_backend_of_its_bodies():
             step = torch.compile(model, backend="mfsdp", options={"compiler": "eager"}, dynamic=False)
             loss_fn(step(tokens), targets).backward()
             layers = set(model.layers)
-            backends.append({c.backend() for c in _CALLS if c.block() in layers})
+            backends.append({c.backend() for c in _CALLS.values() if c.block() in layers})
     (first,), (second,) = backends
     assert first is not second
     assert len(first.bodies) == len(second.bodies) == 1
     assert all(len(graphs) == 1 for b in (first, second) for graphs in b.bodies.values())
+
+
+@pytest.mark.structure
+def test_block_call_records_are_owned_by_the_backend_and_graphs_that_name_them():
+    """A block call's record is kept by the backend that traced it (``calls``) and by each
+    compiled graph that names it, not by the process: the index table only names, and a
+    record nobody owns is gone (the process kept every record of every compile)."""
+    from fsdp_compile.block_record import _CALLS
+
+    with fake_process_group(8):
+        model = fully_shard(build_model(CFG))
+        backend = MfsdpBackend(compiler="eager")
+        step = torch.compile(model, backend=backend, dynamic=False)
+        tokens, targets = make_batch(CFG, 2, 8, 0)
+        loss_fn(step(tokens), targets).backward()
+    (graph,) = backend.graphs
+    assert len(backend.calls) == len(graph.calls) == CFG.n_layers
+    assert {id(c) for c in graph.calls} == {id(c) for c in backend.calls}
+    index = next(i for i, c in _CALLS.items() if c is backend.calls[0])
+    owner: list = []
+    named = register_call(replace(backend.calls[0]), owner)
+    assert call_record(named) is owner[0]
+    del owner
+    gc.collect()
+    assert named not in _CALLS and index in _CALLS
+    with pytest.raises(ValueError, match="no longer exists"):
+        call_record(named)
 
 
 @pytest.mark.structure
