@@ -31,6 +31,7 @@ from torch.fx.graph import _BoxedCodeGen
 
 from fsdp_compile.block_call import block_calls_keep_their_buffers
 from fsdp_compile.block_record import call_record
+from fsdp_compile.block_runtime import PendingGraphs
 from fsdp_compile.compat import compile_caches_work
 from fsdp_compile.debug import GraphDumper, debug_dir, frame_dumper
 from fsdp_compile.patterns import is_block_call, is_block_forward, is_block_probe
@@ -282,6 +283,8 @@ class MfsdpBackend:
         self.calls: list = []
         """The repeated blocks' calls this backend's traces named (``block_record.BlockCall``):
         owned here, they live as long as the graphs that name them."""
+        self.pending = PendingGraphs()
+        """The autograd graphs of the block calls whose backward has not run yet."""
         self._serial = next(_BACKEND_SERIALS)
         self._frames: dict[str, Callable] = {}
 

@@ -30,7 +30,7 @@ NOTE: one op per block call
       the storage (``slot.data``), the step frees the gathered weights as planned, and
       ``block_backward`` points the slots at the weights the step gathered again. Resharding
       after forward holds as in a whole-step graph.
-    - The frame's autograd graph waits for its backward in ``block_runtime._PENDING``, keyed by a token
+    - The frame's autograd graph waits for its backward in its backend's ``pending`` (``PendingGraphs``), keyed by a token
       tensor the op returns and the step saves for backward; an entry whose token died
       unused (a checkpointed block recomputed in backward, a forward never differentiated) is
       dropped at a later call.

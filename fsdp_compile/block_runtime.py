@@ -81,17 +81,30 @@ def autocast_as(state: tuple) -> Iterator[None]:
         yield
 
 
-_PENDING: dict[int, tuple] = {}
-"""A forward's autograd graph, by its token's address, until its backward takes it."""
-_SWEEP_AT = [64]
+class PendingGraphs:
+    """The block calls' autograd graphs from their forward until their backward takes them, by
+    their token's address; a backend's (``MfsdpBackend.pending``). A token freed with no
+    backward run (a forward under ``no_grad`` of the step, an exception before the backward)
+    leaves an entry a later sweep drops."""
 
+    def __init__(self) -> None:
+        self._graphs: dict[int, tuple] = {}
+        self._sweep_at = 64
 
-def _keep(token: Tensor, entry: tuple) -> None:
-    if len(_PENDING) >= _SWEEP_AT[0]:
-        for address in [a for a, (ref, *_) in _PENDING.items() if ref.expired()]:
-            del _PENDING[address]
-        _SWEEP_AT[0] = max(64, 2 * len(_PENDING))
-    _PENDING[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), *entry)
+    def keep(self, token: Tensor, entry: tuple) -> None:
+        if len(self._graphs) >= self._sweep_at:
+            for address in [a for a, (ref, *_) in self._graphs.items() if ref.expired()]:
+                del self._graphs[address]
+            self._sweep_at = max(64, 2 * len(self._graphs))
+        self._graphs[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), *entry)
+
+    def take(self, token: Tensor, keep: bool) -> tuple:
+        """The entry ``token`` names, left in place where the backward runs again (``keep``)."""
+        _, *entry = self._graphs[token.data_ptr()] if keep else self._graphs.pop(token.data_ptr())
+        return tuple(entry)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
 
 
 @contextlib.contextmanager
@@ -250,7 +263,7 @@ def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -
             output = frame(block, call.layout, call.recipe, side, *slots, *call.leaves(inputs, stand_ins))
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
     _release(slots)
-    _keep(token, (outputs, slots, inputs))
+    call.backend().pending.keep(token, (outputs, slots, inputs))
     return [*(t.detach() for t in outputs), token]
 
 
@@ -260,7 +273,7 @@ def run_backward(
     # backward(retain_graph=True) differentiates the step again later: the body's autograd
     # graph stays for it, as the step's does.
     retained = torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
-    _, outputs, slots, inputs = _PENDING[token.data_ptr()] if retained else _PENDING.pop(token.data_ptr())
+    outputs, slots, inputs = call.backend().pending.take(token, keep=retained)
     for slot, weight in zip(slots, body_weights(call, weights)):
         slot.data = weight
     leaves = [*slots, *inputs]

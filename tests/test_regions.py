@@ -699,20 +699,19 @@ class _TwoLosses(nn.Module):
 def _retained_graph_errors(rank, world):
     """Two backwards through one forward, the first with ``retain_graph=True``: the worst
     gradient error against the unsharded model, and the bodies' graphs still waiting after."""
-    from fsdp_compile.block_runtime import _PENDING
-
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     reference = _TwoLosses()
     torch.manual_seed(0)
     model = fully_shard(_TwoLosses())
-    for forward in (reference, torch.compile(model, backend=MfsdpBackend(compiler="eager"))):
+    backend = MfsdpBackend(compiler="eager")
+    for forward in (reference, torch.compile(model, backend=backend)):
         h = forward(x)
         (h**2).sum().backward(retain_graph=True)
         h.abs().sum().backward()
     expected = dict(reference.named_parameters())
     error = max(relative_error(p.grad.full_tensor(), expected[n].grad) for n, p in model.named_parameters())
-    return error, len(_PENDING)
+    return error, len(backend.pending)
 
 
 @pytest.mark.multirank
