@@ -2,6 +2,7 @@
 
     python benchmarks/hf_families.py                       # the families listed below
     python benchmarks/hf_families.py llama,phimoe --checkpointing
+    python benchmarks/hf_families.py --autocast              # both sides under CPU bf16 autocast
 
 For each family: a tiny model from its config class (HF's defaults, dropout and router jitter
 off), trained one step eagerly and, from the same weights, sharded over one gloo rank (its
@@ -87,7 +88,7 @@ def _model(family: str, use_cache: bool, checkpointing: bool):
     return model
 
 
-def check(family: str, use_cache: bool, padded: bool, checkpointing: bool) -> str:
+def check(family: str, use_cache: bool, padded: bool, checkpointing: bool, autocast: bool = False) -> str:
     torch._dynamo.reset()
     reference = _model(family, use_cache, checkpointing)
     model = copy.deepcopy(reference)
@@ -97,7 +98,7 @@ def check(family: str, use_cache: bool, padded: bool, checkpointing: bool) -> st
         inputs["attention_mask"] = torch.ones_like(tokens).index_fill_(1, torch.arange(4), 0)
     eager = _EagerAttention()
     try:
-        with eager:
+        with eager, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             expected = reference(**inputs)
         expected.loss.backward()
     except Exception as error:  # the family's own limits, not mfsdp's
@@ -108,7 +109,8 @@ def check(family: str, use_cache: bool, padded: bool, checkpointing: bool) -> st
         backend = MfsdpBackend(compiler="eager")
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            loss = torch.compile(sharded, backend=backend)(**inputs).loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = torch.compile(sharded, backend=backend)(**inputs).loss
             loss.backward()
     except Exception as error:
         return f"compiled fails: {type(error).__name__}: {str(error)[:160]}  <<<"
@@ -134,10 +136,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("families", nargs="?", default=FAMILIES, help="comma-separated HF model types")
     parser.add_argument("--checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
+    parser.add_argument("--autocast", action="store_true", help="both runs under torch.autocast('cpu', bfloat16)")
     args = parser.parse_args()
     for family in args.families.split(","):
         for use_cache, padded in ((True, False), (False, False), (False, True)):
-            row = check(family, use_cache, padded, args.checkpointing)
+            row = check(family, use_cache, padded, args.checkpointing, args.autocast)
             print(f"{family:14s} use_cache={use_cache!s:5} padded={padded!s:5} {row}", flush=True)
 
 
