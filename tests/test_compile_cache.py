@@ -75,26 +75,24 @@ def test_a_restart_reads_the_caches_and_computes_the_same_step(tmp_path):
 CFG = TransformerConfig(vocab=64, n_heads=4, n_layers=2)
 
 
-def _transformer_run(rank, world, *, cache_dir, **options):
+def _transformer_run(rank, world, *, cache_dir):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     model = fully_shard(build_model(CFG))
-    compiled = torch.compile(model, backend="mfsdp", options=options)
+    compiled = torch.compile(model, backend="mfsdp")
     losses = train(model, compiled, rank_batches(CFG, rank), steps=3)
     return losses, _cache_counters()
 
 
-@pytest.mark.parametrize("compile_outside_blocks", [False, True])
-def test_repeated_block_bodies_come_from_the_cache_too(tmp_path, compile_outside_blocks):
+def test_repeated_block_bodies_come_from_the_cache_too(tmp_path):
     """Regional compilation (the default) and the caches compose: the restart trains three
     steps to the same losses with every graph Inductor compiled loaded, none compiled: the
-    block's forward and backward bodies, and the step's forward and backward (the default),
-    or with ``compile_outside_blocks=False`` the bodies alone (the rest runs as Python;
-    NOTE: what Inductor compiles). The test model's fused linear is an ``autograd.Function``,
-    which AOTAutograd's cache refuses, so this reads Inductor's cache alone (the MLP above
-    reads both)."""
-    options = {"compile_outside_blocks": compile_outside_blocks}
-    cold = spawn(_transformer_run, 2, cache_dir=str(tmp_path), **options)
-    warm = spawn(_transformer_run, 2, cache_dir=str(tmp_path), **options)
+    block's forward and backward bodies, and the step's forward and backward. (With
+    ``compile_outside_blocks=False`` the bodies are compiled as here and the rest runs as
+    Python, NOTE: what Inductor compiles; not run again.) The test model's fused linear is an
+    ``autograd.Function``, which AOTAutograd's cache refuses, so this reads Inductor's cache
+    alone (the MLP above reads both)."""
+    cold = spawn(_transformer_run, 2, cache_dir=str(tmp_path))
+    warm = spawn(_transformer_run, 2, cache_dir=str(tmp_path))
     for (cold_losses, cold_caches), (warm_losses, warm_caches) in zip(cold, warm):
         assert torch.equal(cold_losses, warm_losses)
         # What the cold run compiled, or loaded from its peer rank (a body's entry is the same
