@@ -188,6 +188,16 @@ def _strided_as(tensor: Tensor, stride: tuple) -> Tensor:
     return _copy_strided(tensor, stride)
 
 
+def _strided_like(grad: Tensor, leaf: Tensor) -> Tensor:
+    """``grad`` with the strides of ``torch.empty_like(leaf)``, which ``block_backward``'s fake
+    promises the step's graph (Inductor asserts them): autograd hands a gradient back in the
+    layout its last op made (HF T5's position bias: a permuted one for a contiguous input)."""
+    if grad.numel() <= 1 or grad.is_contiguous() and leaf.is_contiguous():
+        return grad
+    stride = torch.empty_like(leaf, device="meta").stride()
+    return grad if grad.stride() == stride else _copy_strided(grad, stride)
+
+
 def _copy_strided(tensor: Tensor, stride: tuple) -> Tensor:
     if any(isinstance(s, torch.SymInt) for s in stride):
         return tensor.clone()
@@ -288,7 +298,7 @@ def run_backward(
     by_leaf = {id(leaf): grad for leaf, grad in zip(differentiable, computed)}
     found = [by_leaf.get(id(leaf)) for leaf in leaves]
     # Zeros where none flows, shaped as the leaf (a slot's shape goes with its storage).
-    found = [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(found, leaves)]
+    found = [_strided_like(g, leaf) if g is not None else torch.zeros_like(leaf) for g, leaf in zip(found, leaves)]
     arguments = [token, *weights, *tensors, *(g for g in grads if g is not None)]
     results = _unaliased(found, arguments, lambda i, g: torch.empty_like(leaves[i]).copy_(g))
     _release(slots)

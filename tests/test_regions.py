@@ -584,11 +584,25 @@ class _Sums(nn.Module):
         return h + other + self.bias
 
 
+class _Transposes(nn.Module):
+    """Reads its second input transposed: autograd hands that input's gradient back as a
+    transposed view, where the step's graph was promised a tensor laid out as the input
+    (HF T5's position bias, permuted so, failed Inductor's layout check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, h, other):
+        return torch.tanh(self.linear(h)) * other.t()
+
+
 _ALIASING_BLOCKS = {
     "passes_through": lambda: _PassesThrough(reads=True),
     "passes_through_unread": lambda: _PassesThrough(reads=False),
     "chunks": _Chunks,
     "sums": _Sums,
+    "transposes": _Transposes,
 }
 
 
@@ -606,6 +620,8 @@ class _ReturnsAliases(nn.Module):
             elif isinstance(block, _Chunks):
                 first, second = block(h)
                 h = first * 2 + second * h
+            elif isinstance(block, _Transposes):
+                h = block(h, (h * scale).t().contiguous()) + h
             else:
                 h = torch.tanh(block(h, scale * 2))
         return (h**2).sum()
@@ -641,8 +657,9 @@ def test_a_block_call_never_returns_an_alias_of_its_arguments_or_results(compile
     call): a block that passed a tensor through, or returned two chunks of one, failed its
     first call with torch's error about ``block_forward``, and one whose backward autograd
     answers with a gradient as it came (a tensor passed through unread, both terms of a sum)
-    failed its backward with the error about ``block_backward``. Such a result is now copied.
-    One gloo rank, against the unsharded model."""
+    failed its backward with the error about ``block_backward``. Such a result is now copied,
+    as is a gradient laid out otherwise than the fake promised (``transposes``: Inductor's
+    layout check failed). One gloo rank, against the unsharded model."""
     ((errors),) = spawn(_aliasing_gradient_errors, 1, compiler=compiler)
     assert max(errors.values()) < 1e-5, errors
 
