@@ -26,10 +26,15 @@ from harness import SUMMATION_ORDER_EPS, TOLERANCE
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize(
+    "world, reshard_after_forward",
+    [(1, True), (4, True), (1, False), (2, False), (4, False)],
+    ids=["1-reshard", "4-reshard", "1-keep", "2-keep", "4-keep"],
+)
 def test_sharded_training_matches_unsharded_reference(world, reshard_after_forward):
-    """Uncompiled markers and the compiled graphs (eager runner) both train like one process."""
+    """Uncompiled markers and the compiled graphs (eager runner) both train like one process.
+    Two ranks resharding after forward (the default) is the matrix's ``train`` cell for the
+    default strategy (tests/test_matrix.py)."""
     cfg = TransformerConfig()
     results = spawn(
         parity_run,
