@@ -14,7 +14,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_compile
@@ -110,7 +116,8 @@ class _SequenceModel(_Model):
     """The residual stack with each MLP in a submodule, for Megatron's sequence parallelism as
     torchtitan splits its blocks: the residual stream is this rank's part of the sequence as
     a plain tensor, the MLP gathers it (``PrepareModuleInput``) and reduce-scatters its output
-    back onto it (row-parallel with ``Shard(1)`` output)."""
+    back onto it (row-parallel with a ``Shard(1)`` DTensor output, which the MLP's
+    ``PrepareModuleOutput`` hands back as this rank's plain tensor)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,8 +133,9 @@ def _sequence_parallel(model: _SequenceModel, tp_mesh) -> None:
         parallelize_module(layer, tp_mesh, {
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "mlp.0": ColwiseParallel(),
-            "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         })  # fmt: skip
+        parallelize_module(layer.mlp, tp_mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Shard(1)))
 
 
 def _parallelized(mesh, data_parallel: str | tuple[str, ...] = "dp", kind: str = "plain", **shard_options) -> _Model:
@@ -196,8 +204,8 @@ def test_tensor_parallel_inside_mfsdp_across_trains_at_parity():
     ZeRO-3 with Inductor too, with ``fsdp_compile.clip_grad_norm_`` clipping every step, with
     two micro-batches a step (gradient accumulation, ZeRO-3 and ZeRO-1), with every block
     under activation checkpointing, built on the meta device then loaded, and under
-    sequence parallelism with plain tensors between the blocks (``PrepareModuleInput``
-    running in the blocks' body), against the
+    sequence parallelism with plain tensors between the blocks (``PrepareModuleInput`` and
+    ``PrepareModuleOutput`` running in the blocks' body), against the
     unsharded model on the global batch; each gradient lands with its parameter's
     two-dimensional placements. bf16 compute with fp32 reduction: compiled equals
     uncompiled bit for bit, and tracks the fp32 reference (the bound of
