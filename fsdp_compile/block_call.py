@@ -99,10 +99,10 @@ def block_forward(
 
 @block_forward.register_fake
 def _(weights, tensors, call, rng_state=None, replay=False) -> list[Tensor]:
-    record = _traced(call, weights, tensors)
     # Dynamo's call comes first and sees the user's tensors; AOTAutograd's come from below
-    # autograd, where nothing requires a gradient.
-    record.traced.setdefault("differentiable", [t.requires_grad for t in tensors])
+    # autograd, where nothing requires a gradient. The fake run differentiates as they do.
+    call_record(call).traced.setdefault("differentiable", [t.requires_grad for t in tensors])
+    record = _traced(call, weights, tensors)
     outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in record.traced["outputs"]]
     return [*outputs, token_like([*weights, *tensors])]
 
@@ -156,6 +156,11 @@ def _save(ctx, inputs, output) -> None:
     ctx.kept = 2 if replay else int(rng_state is not None)
     ctx.counts = (len(weights), len(tensors))
     ctx.differentiable = [t.requires_grad for t in tensors]
+    # An output the body computes without a gradient (T5's cross-attention bias: zeros and
+    # the mask) has none here either, as in eager: the next layer's SDPA then takes its mask
+    # as eager's does (CPU kernels choose by it), and no gradient is computed for it.
+    graded = call_record(ctx.call).traced["differentiable_outputs"]
+    ctx.mark_non_differentiable(*(t for t, g in zip(output, graded) if not g))
     ctx.save_for_backward(output[-1], *weights, *tensors)
 
 

@@ -100,7 +100,8 @@ def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> d
     # one run serves both. Symbolic ones belong to their mode's shape environment.
     symbolic = any(isinstance(s, torch.SymInt) for t in (*weights, *tensors) for s in (*t.shape, *t.stride()))
     key = (call.name, call.layout, call.recipe, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
-           tuple(map(str, map(tensor_metadata, weights))), tuple(map(str, map(tensor_metadata, tensors))))
+           tuple(map(str, map(tensor_metadata, weights))), tuple(map(str, map(tensor_metadata, tensors))),
+           tuple(_differentiable(call, tensors)))
     outputs = _outputs_of_this_compile()
     if key not in outputs:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
@@ -213,6 +214,12 @@ def _outputs_of_this_compile() -> dict[tuple, dict]:
     return context._mfsdp_block_outputs
 
 
+def _differentiable(call: BlockCall, tensors: list[Tensor]) -> list[bool]:
+    """Which of the call's tensors the user's program differentiates: as Dynamo's call saw
+    them (``block_forward``'s fake kernel records it first), else as they are."""
+    return call.traced.get("differentiable") or [t.requires_grad for t in tensors]
+
+
 def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> dict:
     """The block's Python on fake tensors: what it returns, and what its forward and backward
     cost (the backward only when the call trains)."""
@@ -220,7 +227,9 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
     forward, backward = _RooflineCounter(), _RooflineCounter()
     with torch.no_grad(), forward:
         inputs = body_weights(call, weights)
-    leaves = [t.detach().requires_grad_(call.train and t.is_floating_point()) for t in (*inputs, *tensors)]
+    weights_differentiate = [call.train and t.is_floating_point() for t in inputs]
+    flags = [*weights_differentiate, *(call.train and d for d in _differentiable(call, tensors))]
+    leaves = [t.detach().requires_grad_(d) for t, d in zip((*inputs, *tensors), flags)]
     count = len(inputs)
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), forward:
@@ -259,6 +268,7 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
         "own": len(own),
         "side": side_form,
         "outputs": [tensor_metadata(t) for t in flat],
+        "differentiable_outputs": [t.requires_grad for t in flat],
         "cost": {"forward": (forward.flops, forward.bytes), "backward": (backward.flops, backward.bytes)},
         "saved_bytes": saved_bytes,
         "held_bytes": held_bytes(call, weights),

@@ -185,6 +185,42 @@ def test_a_padded_batch_keeps_hf_mask():
 
 
 @pytest.mark.structure
+def test_an_output_eager_computes_without_a_gradient_has_none_between_blocks():
+    """T5's first decoder layer returns the cross-attention bias (zeros and the mask), which
+    needs no gradient; the block call's outputs all required one, so the next layers got a
+    differentiable mask, and their SDPA another CPU kernel than eager's (heads of 64, T5's
+    default): the loss off in its last bits. Now each layer's call takes exactly the tensors
+    eager's layer takes as differentiable, and the loss is eager's bit for bit (the
+    gradients sum the encoder's output over the layers in another order: 3e-7)."""
+    reference = _build("t5", d_kv=64, num_decoder_layers=3)
+    eager_layers = {}
+
+    def count(index, args, kwargs) -> None:
+        eager_layers[index] = sum(t.requires_grad for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor))
+
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, args, kwargs, i=i: count(i, args, kwargs), with_kwargs=True)
+        for i, layer in enumerate(reference.decoder.block)
+    ]
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": tokens, "labels": tokens}
+    expected = reference(**inputs).loss
+    for hook in hooks:
+        hook.remove()
+    with one_rank_group():
+        model = fully_shard(copy.deepcopy(reference))
+        backend = MfsdpBackend(compiler="eager")
+        loss = torch.compile(model, backend=backend)(**inputs).loss
+    decoder = list(model.decoder.block)
+    compiled_layers = {
+        decoder.index(call.block()): sum(call.traced["differentiable"])
+        for graph in backend.graphs for call in graph.calls if call.block() in decoder
+    }
+    assert compiled_layers == eager_layers, (compiled_layers, eager_layers)
+    assert torch.equal(loss, expected), (loss, expected)
+
+
+@pytest.mark.structure
 def test_a_captured_step_reads_no_input_values_and_keeps_the_fast_path_it_can():
     """capture_step replays values capture never saw, so inside ``inputs_unread`` nothing is
     decided from values: HF's own positions still need none (fast path; the first GPU run
