@@ -18,6 +18,7 @@ import functools
 import itertools
 import time
 import types
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -34,6 +35,7 @@ from fsdp_compile.block_record import call_record
 from fsdp_compile.block_runtime import PendingGraphs
 from fsdp_compile.compat import compile_caches_work
 from fsdp_compile.debug import GraphDumper, debug_dir, frame_dumper
+from fsdp_compile.passes.check_graph_breaks import graph_break
 from fsdp_compile.patterns import is_block_call, is_block_forward, is_block_probe
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan
@@ -287,6 +289,8 @@ class MfsdpBackend:
         """The autograd graphs of the block calls whose backward has not run yet."""
         self._serial = next(_BACKEND_SERIALS)
         self._frames: dict[str, Callable] = {}
+        self._said_breaks: set[tuple[str, str]] = set()
+        """The frames whose graph break was said (NOTE: a graph break is said)."""
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         return self._compile(self.graphs, gm, example_inputs)
@@ -296,6 +300,8 @@ class MfsdpBackend:
         return [*self.graphs, *(g for bodies in self.bodies.values() for g in bodies)]
 
     def _compile(self, graphs: list[CompiledGraph], gm: fx.GraphModule, example_inputs: list):
+        if not self.options.cuda_graph:  # refused there, by the pipeline's check
+            _say_graph_break(gm, compiling_backend() or self)
         graph = CompiledGraph(gm, example_inputs, self.options)
         graphs.append(graph)
         return graph.compile(example_inputs)
@@ -337,6 +343,33 @@ def compiling_backend() -> MfsdpBackend | None:
         holder = backend if getattr(backend, "kwargs", None) is not None else holder
         backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
     return backend
+
+
+# NOTE: a graph break is said
+#     A break costs mfsdp more than it costs plain torch.compile, which says nothing: the plan
+#     (bucketing, prefetch, the repeated blocks' compiled bodies) covers one graph, and what
+#     runs in Python between graphs gathers each parameter it reads on its own; a repeated
+#     block called there runs uncompiled (HF's activation_checkpointing_enable(offload=True)
+#     did that to every layer, unsaid: torch's save_on_cpu, around each checkpoint, is not
+#     traced). So each frame that breaks is said once per torch.compile call: the lasting
+#     backend keeps which it said, as Python's own once-only filter forgets whenever a compile
+#     enters warnings.catch_warnings.
+
+
+def _say_graph_break(gm: fx.GraphModule, owner: MfsdpBackend) -> None:
+    """Warn of the break around ``gm``, once per break for ``owner`` (NOTE: a graph break is
+    said)."""
+    found = graph_break(gm)
+    if found is None or found[0] in owner._said_breaks:
+        return
+    frame, sentence = found
+    owner._said_breaks.add(frame)
+    warnings.warn(
+        f"mfsdp: the step is not one graph. {sentence} What runs there gathers each parameter it "
+        "reads on its own, with no prefetch or bucketing, and a repeated block called there runs "
+        "uncompiled. Keep the step in one graph for mfsdp's plan to cover it.",
+        stacklevel=3,
+    )
 
 
 def mfsdp_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None):

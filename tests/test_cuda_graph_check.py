@@ -191,9 +191,16 @@ def test_graph_breaks_are_refused_naming_the_line(kind, line):
     assert line in message or (kind == "loop" and "forward" in message and "loop" in message), message
 
 
-def test_graph_breaks_without_cuda_graph_still_compile():
-    with fake_process_group(2):
-        model = fully_shard(_SyncsOnTheHost("item"))
+@pytest.mark.parametrize("kind, line", [("item", "h * h.sum().item()"), ("loop", "_SyncsOnTheHost")])
+def test_graph_breaks_without_cuda_graph_compile_and_are_said(kind, line):
+    """Without cuda_graph a break compiles, and is said once, naming the line: what runs in
+    Python between the graphs gathers parameter by parameter, outside mfsdp's plan (every
+    layer of HF's activation_checkpointing_enable(offload=True) did so, unsaid)."""
+    with fake_process_group(2), pytest.warns(UserWarning, match="the step is not one graph") as said:
+        model = fully_shard(_SyncsOnTheHost(kind))
         backend = MfsdpBackend(compiler="eager")
         torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
     assert len(backend.graphs) == 2
+    (message,) = [str(w.message) for w in said if "the step is not one graph" in str(w.message)]  # once
+    assert "test_cuda_graph_check.py" in message, message
+    assert line in message or (kind == "loop" and "forward" in message and "loop" in message), message

@@ -1,4 +1,6 @@
 """Pass (Dynamo graph, only with ``options={"cuda_graph": True}``): the step is one graph.
+Without ``cuda_graph``, the backend says a break once (``graph_break`` names it; NOTE: a graph
+break is said, in fsdp_compile/backend.py).
 
 NOTE: graph breaks under cuda_graph=True
     ``check_cuda_graph`` reads the graphs the backend compiles. Code that Dynamo leaves to
@@ -60,10 +62,11 @@ def _python_frame_between() -> FrameType | None:
     return next((f for f in between if not f.f_code.co_filename.startswith(_MACHINERY)), None)
 
 
-def check_graph_breaks(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Afterwards (when it returns) the Dynamo graph was not cut short by a graph break and is
-    not compiled from code running in Python around it (see NOTE: graph breaks under
-    cuda_graph=True); otherwise raises ``GraphBreakUnderCudaGraph`` naming the user's line."""
+def graph_break(gm: fx.GraphModule) -> tuple[tuple[str, str], str] | None:
+    """Where the step breaks around ``gm`` (see NOTE: graph breaks under cuda_graph=True): the
+    frame that runs in Python (its file and function, the same for the graph before a break
+    and the one resuming after it), and a sentence saying where and why; None for a step
+    compiled whole."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is not None and reason.graph_break:
         where = reason.user_stack[-1] if reason.user_stack else None
@@ -71,18 +74,28 @@ def check_graph_breaks(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         why = reason.reason.strip().splitlines()[0]
         if why.startswith("generic_jump"):  # Dynamo's name for a jump on a traced value
             why = "a Python branch on a tensor's value"
-        raise GraphBreakUnderCudaGraph(
-            f"cuda_graph=True: Dynamo breaks the graph at {line} ({why}); the code after the "
-            f"break runs in Python, where no compile-time check sees a host sync. {_FIX}"
-        )
+        frame = (where.filename, where.name) if where else ("", "")
+        return frame, f"Dynamo breaks the graph at {line} ({why}); the code after the break runs in Python."
     frame = _python_frame_between()
-    if frame is not None:
-        code = frame.f_code
+    if frame is None:
+        return None
+    code = frame.f_code
+    return (code.co_filename, code.co_name), (
+        f"{code.co_name} ({code.co_filename}, line {code.co_firstlineno}) runs in Python around "
+        f"the compiled graphs, now at line {frame.f_lineno}: Dynamo broke its graph or gave up on "
+        "the frame (a graph break inside a loop makes it run the whole frame eagerly; "
+        "TORCH_LOGS=graph_breaks shows why)."
+    )
+
+
+def check_graph_breaks(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Afterwards (when it returns) the Dynamo graph was not cut short by a graph break and is
+    not compiled from code running in Python around it (see NOTE: graph breaks under
+    cuda_graph=True); otherwise raises ``GraphBreakUnderCudaGraph`` naming the user's line."""
+    found = graph_break(gm)
+    if found is not None:
         raise GraphBreakUnderCudaGraph(
-            f"cuda_graph=True: {code.co_name} ({code.co_filename}, line {code.co_firstlineno}) "
-            f"runs in Python around the compiled graphs, now at line {frame.f_lineno}: Dynamo "
-            "broke its graph or gave up on the frame (a graph break inside a loop makes it run "
-            "the whole frame eagerly; TORCH_LOGS=graph_breaks shows why). A host sync there "
+            f"cuda_graph=True: {found[1]} There no compile-time check sees a host sync, which "
             f"would fail only during capture. {_FIX}"
         )
     return gm
