@@ -221,6 +221,30 @@ def test_an_output_eager_computes_without_a_gradient_has_none_between_blocks():
 
 
 @pytest.mark.structure
+def test_checkpointing_every_other_layer_compiles_two_bodies_and_matches_eager():
+    """HF's ``activation_checkpointing_enable(every_n_layers=2)`` (transformers 5.24)
+    checkpoints every other layer: the layers' body compiles once for each kind (Dynamo guards
+    on the layer's flag), the step stays one graph, and it is eager's bit for bit."""
+    reference = _build("llama", num_hidden_layers=4)
+    if not hasattr(reference, "activation_checkpointing_enable"):
+        pytest.skip("transformers before 5.24 has no every_n_layers")
+    reference.activation_checkpointing_enable(every_n_layers=2)
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    expected = reference(**_inputs("llama", tokens)).loss
+    expected.backward()
+    with one_rank_group():
+        model = fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        loss = torch.compile(model, backend=backend)(**_inputs("llama", tokens)).loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert [len(bodies) for bodies in backend.bodies.values()] == [2] and len(backend.graphs) == 1
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(grads[n], p.grad) for n, p in reference.named_parameters())
+
+
+@pytest.mark.structure
 def test_a_captured_step_reads_no_input_values_and_keeps_the_fast_path_it_can():
     """capture_step replays values capture never saw, so inside ``inputs_unread`` nothing is
     decided from values: HF's own positions still need none (fast path; the first GPU run
