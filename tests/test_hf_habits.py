@@ -245,6 +245,41 @@ def test_checkpointing_every_other_layer_compiles_two_bodies_and_matches_eager()
 
 
 @pytest.mark.structure
+def test_input_require_grads_on_frozen_embeddings_is_said_with_the_fix():
+    """HF's ``activation_checkpointing_enable()`` (and PEFT) hook the input embeddings with
+    ``requires_grad_()``; on a frozen table (an adapter fine-tune) Dynamo breaks the step's
+    graph there, and every layer ran outside the compiled step: said, naming
+    ``disable_input_require_grads()`` for non-reentrant checkpointing, after which the step is
+    one graph and trains the adapters as eager does."""
+    reference = _build("llama")
+    reference.requires_grad_(False)
+    reference.lm_head.requires_grad_(True)  # the trainable part, past the layers
+    for layer in reference.model.layers:
+        layer.mlp.down_proj.requires_grad_(True)
+    reference.activation_checkpointing_enable() if hasattr(reference, "activation_checkpointing_enable") else (
+        reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    )
+    if not getattr(reference, "_require_grads_hooks", None):  # HF 5.24's enabling did it already
+        reference.enable_input_require_grads()
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with fake_process_group(2), pytest.warns(UserWarning, match="disable_input_require_grads"):
+        model = fully_shard(copy.deepcopy(reference))
+        torch.compile(model, backend=MfsdpBackend(compiler="eager"))(**_inputs("llama", tokens)).loss.backward()
+    reference.disable_input_require_grads()
+    model = copy.deepcopy(reference)
+    reference(**_inputs("llama", tokens)).loss.backward()
+    with one_rank_group(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said
+        model = fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        torch.compile(model, backend=backend)(**_inputs("llama", tokens)).loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    assert len(backend.graphs) == 1
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert sorted(grads) == sorted(expected) and all(torch.equal(grads[n], g) for n, g in expected.items())
+
+
+@pytest.mark.structure
 def test_a_captured_step_reads_no_input_values_and_keeps_the_fast_path_it_can():
     """capture_step replays values capture never saw, so inside ``inputs_unread`` nothing is
     decided from values: HF's own positions still need none (fast path; the first GPU run
