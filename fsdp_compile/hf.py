@@ -145,8 +145,18 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
             mask = arguments.get(name)
             if isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool(mask.all()):
                 arguments[name] = None
-    if getattr(model, "_require_grads_hooks", None) and not _embeddings_differentiate(model):
-        _say_input_require_grads(type(model).__name__)
+    # HF's hook is a no-op Dynamo traces unless the embeddings are frozen.
+    embeddings = model.get_input_embeddings() if getattr(model, "_require_grads_hooks", None) else None
+    if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
+        warnings.warn(  # once: Python's default warning filter keeps the first of a message
+            f"{type(model).__name__}.enable_input_require_grads() (HF's checkpointing and PEFT call "
+            "it) calls requires_grad_() on the output of the frozen input embeddings inside the "
+            "compiled forward, where Dynamo breaks the graph: the layers then run outside mfsdp's "
+            "compiled step. Non-reentrant checkpointing (use_reentrant=False, HF's default) needs "
+            "no input that requires a gradient: there, call model.disable_input_require_grads() "
+            "after enabling checkpointing.",
+            stacklevel=4,
+        )
     held = {}
     # HF renamed the property in 5.24 and warns on the old name.
     renamed = hasattr(type(model), "is_activation_checkpointing")
@@ -260,26 +270,6 @@ def _say_unread(model: str, given: list[str]) -> None:
         "cannot read their values: HF builds its attention mask in the graph (no "
         "FlashAttention, no grouped-query attention), right for whatever a replay brings. For "
         "batches without padding or packing, pass neither and HF's causal fast path is taken.",
-        stacklevel=5,
-    )
-
-
-def _embeddings_differentiate(model: nn.Module) -> bool:
-    """Whether the input embeddings' output requires a gradient already (a trainable table),
-    which makes HF's ``enable_input_require_grads`` hook a no-op Dynamo traces."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return embeddings is None or any(p.requires_grad for p in embeddings.parameters())
-
-
-def _say_input_require_grads(model: str) -> None:
-    """Said once (Python's default warning filter keeps the first of a message)."""
-    warnings.warn(
-        f"{model}.enable_input_require_grads() (HF's activation_checkpointing_enable and PEFT "
-        "call it) calls requires_grad_() on the output of the frozen input embeddings inside "
-        "the compiled forward, where Dynamo breaks the graph: the layers then run outside "
-        "mfsdp's compiled step. Non-reentrant checkpointing (use_reentrant=False, HF's default) "
-        "needs no input that requires a gradient: there, call model.disable_input_require_grads() "
-        "after enabling checkpointing.",
         stacklevel=5,
     )
 
