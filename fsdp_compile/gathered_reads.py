@@ -22,15 +22,6 @@ from fsdp_compile.records import ShardInfo, gathered_params, shard_info
 __all__ = ["set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "gather"]
 
 
-# Gradient accumulation state, by param_id (a tied parameter read through two modules has one
-# entry). While sync is off a parameter has an accumulator: a full-shape leaf whose ``.grad``
-# autograd sums the unreduced gradients into. Turning sync back on moves that sum to
-# ``_pending``; the next read hands it to the marker, whose backward adds it before the one
-# reduction. Module-level dicts, so Dynamo guards on them and recompiles when they change.
-_accumulators: dict[int, torch.Tensor] = {}
-_pending: dict[int, torch.Tensor] = {}
-
-
 def marker_args(info: ShardInfo, stored_dtype: torch.dtype) -> tuple:
     """The ``unshard`` marker's constant arguments for a parameter (its ``ShardInfo``, its
     storage dtype), after the shard and the accumulation state."""
@@ -47,19 +38,19 @@ def marker_args(info: ShardInfo, stored_dtype: torch.dtype) -> tuple:
     )
 
 
-def unshard_marker(local: torch.Tensor, constants: tuple) -> torch.Tensor:
+def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict) -> torch.Tensor:
     """The ``unshard`` marker on a parameter's local shard: a real collective when run eagerly,
-    one graph node when traced. ``constants``: ``marker_args(info, param.dtype)``, whose first
-    field is the parameter's id."""
-    param_id = constants[0]
-    # Read the accumulation state only when there is some: a read of a global dict is a
-    # guard, and a pop a side effect Dynamo records, for every parameter of every layer.
+    one graph node when traced. ``constants``: ``marker_args(info, param.dtype)``;
+    ``accumulation``: the record's accumulation state (``ShardInfo.accumulation``), which
+    Dynamo guards on, so a step recompiles when sync is turned off or on."""
+    # Read the state's entries only when there are some: each read is a guard, and a pop a
+    # side effect Dynamo records, for every parameter of every layer.
     # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
     # every parameter of every layer (3% of Dynamo's time on a 32-layer HF Llama, profiled).
     return torch.ops.fsdp_compile.unshard.default(
         local,
-        _accumulators.get(param_id) if _accumulators else None,
-        _pending.pop(param_id, None) if _pending else None,
+        accumulation.get("accumulator") if accumulation else None,
+        accumulation.pop("pending", None) if accumulation else None,
         *constants,
     )
 
@@ -68,7 +59,7 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
     """``param`` (its sharding record ``info``) gathered for use: the ``unshard`` marker, then,
     for a float8 weight, its float8 wrapper."""
     try:
-        gathered = unshard_marker(param.to_local(), marker_args(info, param.dtype))
+        gathered = unshard_marker(param.to_local(), marker_args(info, param.dtype), info.accumulation)
         if info.tensor_parallel is not None:
             return info.tensor_parallel.read(gathered)
         return gathered if info.float8 is None else float8_weight(gathered, info.float8, info.param_dtype)
@@ -139,13 +130,14 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         info = shard_info(param)
         if info is None or not param.requires_grad:
             continue
+        state = info.accumulation  # a tied parameter read through two modules has one
         if not requires_gradient_sync:
-            if info.param_id not in _accumulators:
-                _accumulators[info.param_id] = _accumulator(param, info)
+            if "accumulator" not in state:
+                state["accumulator"] = _accumulator(param, info)
             continue
-        accumulator = _accumulators.pop(info.param_id, None)
+        accumulator = state.pop("accumulator", None)
         if accumulator is not None and accumulator.grad is not None:
-            _pending[info.param_id] = accumulator.grad
+            state["pending"] = accumulator.grad
 
 
 def _accumulator(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:

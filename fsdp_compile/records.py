@@ -153,6 +153,12 @@ class ShardInfo:
     """A tensor-parallel parameter: what its gather returns is this rank's piece of it, read
     as a DTensor on the tensor-parallel mesh; None for every other parameter."""
 
+    accumulation: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """The parameter's gradient-accumulation state, the record's one mutable field (see
+    ``set_requires_gradient_sync``): its ``"accumulator"`` while sync is off, then its
+    ``"pending"`` sum until the next read takes it. Owned by the parameter it describes, so
+    two models never see each other's, and carried wherever the record is."""
+
     def alike(self) -> ShardInfo:
         """This record less what names one parameter (its id, path and shapes): equal for
         parameters sharded alike in every other respect."""

@@ -81,9 +81,11 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     # field from each ShardInfo, they were a guard each (28% of Dynamo's time on an HF Llama,
     # A B A B).
     flats, alone, recipe = gather_recipe(self._mfsdp_region_key)
-    gathered = [unshard_marker(f, c) for f, c in zip(self._mfsdp_region_flats.values(), flats)]
+    flat_params = self._mfsdp_region_flats.values()
+    gathered = [unshard_marker(f, c, shard_info(f).accumulation) for f, c in zip(flat_params, flats)]
     if alone:
-        gathered += [unshard_marker(p.to_local(), c) for p, c in zip(self._mfsdp_region_params.values(), alone)]
+        params = self._mfsdp_region_params.values()
+        gathered += [unshard_marker(p.to_local(), c, shard_info(p).accumulation) for p, c in zip(params, alone)]
     # The body takes flat leaves only (the block, constants, tensors, None...), the same for
     # every layer: a frame of its own guards on each argument. Tuples are opened one level
     # (HF's position_embeddings); one constant says how to regroup. Dynamo steps through this

@@ -14,15 +14,16 @@ from fsdp_compile.testing.models import TransformerConfig, loss_fn
 from harness import (
     build_model,
     full_parameters,
+    make_batch,
     max_param_error,
     mean_over_ranks,
+    one_rank_group,
     rank_batches,
     reference,
     relative_error,
     spawn,
 )
 
-pytestmark = pytest.mark.multirank
 
 STEPS = 3
 CFG = TransformerConfig()
@@ -66,6 +67,7 @@ def _two_models(rank: int, world: int, *, folder: str) -> dict:
     return result
 
 
+@pytest.mark.multirank
 def test_two_models_in_one_process_train_at_parity_each_with_its_options_and_dumps():
     with tempfile.TemporaryDirectory() as folder:
         results = spawn(_two_models, 2, folder=folder)
@@ -77,3 +79,35 @@ def test_two_models_in_one_process_train_at_parity_each_with_its_options_and_dum
             assert r["graphs"] and r["graphs"] == r["dumped"], (name, r["graphs"], r["dumped"])
         a, b = rank_result["a"], rank_result["b"]
         assert not (a["graphs"] & b["graphs"]), (a["graphs"], b["graphs"])
+
+
+@pytest.mark.structure
+def test_one_model_accumulating_leaves_the_other_s_step_and_gradients_as_they_were():
+    """Gradient accumulation is each parameter's own state: while ``a`` accumulates with sync
+    off, ``b``'s compiled step runs without recompiling and gives the gradients of ``b``
+    trained alone, bit for bit."""
+    tokens, targets = make_batch(CFG, 2, 8, 0, 0)
+
+    def b_gradients(forward, model) -> list[torch.Tensor | None]:
+        loss_fn(forward(tokens), targets).backward()
+        grads = [None if p.grad is None else p.grad.full_tensor().clone() for p in model.parameters()]
+        model.zero_grad()
+        return grads
+
+    with one_rank_group():
+        alone = fully_shard(build_model(CFG, seed=1))
+        expected = b_gradients(torch.compile(alone, backend=MfsdpBackend(compiler="eager")), alone)
+        a = fully_shard(build_model(CFG, seed=0))
+        b = fully_shard(build_model(CFG, seed=1))
+        a_forward = torch.compile(a, backend=MfsdpBackend(compiler="eager"))
+        b_backend = MfsdpBackend(compiler="eager")
+        b_forward = torch.compile(b, backend=b_backend)
+        b_gradients(b_forward, b)
+        compiled = len(b_backend.all_graphs())
+        a.set_requires_gradient_sync(False)
+        loss_fn(a_forward(tokens), targets).backward()
+        got = b_gradients(b_forward, b)
+        assert len(b_backend.all_graphs()) == compiled
+        assert any(e is not None for e in expected)
+        assert all(g is e or torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
