@@ -22,7 +22,8 @@ NOTE: one op per block call
 
     - What the step's graph needs of the body while tracing is only its outputs' shapes: the
       op's fake kernel runs the block's Python once per structure and input layout on fake
-      tensors (``block_fakes.fake_run``, kept in ``_OUTPUTS`` outside a compile), and the real call checks its outputs against them.
+      tensors (``block_fakes.fake_run``, kept by the backend outside a compile), and the real
+      call checks its outputs against them.
     - The gathered weights go into the frame as slots (``block_runtime._slot``): tensors of their own that
       share the gathered storage (a flat's, its members copied out: NOTE: a flat's copies in
       the block call). The frame's autograd graph saves the slots it needs (its partitioner

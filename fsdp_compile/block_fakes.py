@@ -24,10 +24,6 @@ from fsdp_compile.compat import compiling
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
 
-_OUTPUTS: dict[tuple, dict] = {}
-"""What a body returns, per structure, call and input layout, outside a compile (the
-simulator's step on meta tensors): one run of the block's Python per entry. A compile keeps
-its own (``_outputs_of_this_compile``)."""
 
 
 class _RooflineCounter(TorchDispatchMode):
@@ -102,7 +98,7 @@ def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> d
     key = (call.name, call.layout, call.recipe, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
            tuple(map(str, map(tensor_metadata, weights))), tuple(map(str, map(tensor_metadata, tensors))),
            tuple(_differentiable(call, tensors)))
-    outputs = _outputs_of_this_compile()
+    outputs = _fake_runs(call)
     if key not in outputs:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
         # The backward runs on this thread, as in AOTAutograd's own trace: this is a fake
@@ -202,13 +198,14 @@ def _put_back(attributes: dict, saved: dict[str, tuple[Any, Any]]) -> None:
             (value.extend if isinstance(value, list) else value.update)(contents)
 
 
-def _outputs_of_this_compile() -> dict[tuple, dict]:
+def _fake_runs(call: BlockCall) -> dict[tuple, dict]:
     """The fake runs of the compile under way, kept on its tracing context (Dynamo's, which
     AOTAutograd's trace shares): a recompile runs every block again, so a block changed
-    since (an attribute its outputs or their constants depend on) is never read stale."""
+    since (an attribute its outputs or their constants depend on) is never read stale.
+    Outside a compile (the step's graphs run on the meta device), the backend's."""
     context = torch._guards.TracingContext.try_get()
     if context is None:
-        return _OUTPUTS
+        return call.backend().meta_runs
     if not hasattr(context, "_mfsdp_block_outputs"):
         context._mfsdp_block_outputs = {}
     return context._mfsdp_block_outputs

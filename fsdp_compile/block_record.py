@@ -42,7 +42,7 @@ class BlockCall:
     name: str
     """The body's name, one per structure (``_region_3``)."""
     layout: str
-    """How the call's leaves regroup into arguments (a key of regions' call layouts)."""
+    """How the call's leaves regroup into arguments (``region_tables.call_layout``'s key)."""
     recipe: str
     """How the gathered weights become the block's parameters (a key of regions' recipes)."""
     constants: tuple[tuple, ...]

@@ -6,6 +6,7 @@ append-only and named by key, a constant of the graph."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -133,12 +134,9 @@ def param_at(block: nn.Module, path: str) -> nn.Parameter:
 NOT_OPENED = -1
 
 
-# How a body call's flat leaves regroup: (positional count, keyword names, widths), the
-# first width the gathered weights'. Append-only; a call names its entry by key
-# (``_key_in``), a constant.
-_CALL_LAYOUTS: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
-
-
+# A body call's layout, how its flat leaves regroup: (positional count, keyword names, widths),
+# the first width the gathered weights'. Its key is its own repr, a string of ints and names:
+# the same layout has the same key in every process, whatever was compiled before.
 @torch._dynamo.assume_constant_result
 def opened_at(opened: tuple[bool, ...]) -> tuple[int, ...]:
     """The positions of the arguments that are tuples, last first (run, not traced, by
@@ -151,13 +149,13 @@ def call_layout(
     n_args: int, names: tuple[str, ...], n_gathered: int, opened: tuple[bool, ...], sizes: tuple[int, ...],
     is_tensor: tuple[bool, ...],
 ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """The key of this call's layout in ``_CALL_LAYOUTS``, then the positions of its tensor
+    """The key of this call's layout, then the positions of its tensor
     leaves and of its constant ones (run, not traced, by Dynamo). ``sizes``: the lengths of
     the tuples ``opened`` marks, last first."""
     size = iter(reversed(sizes))
     widths = (n_gathered, *(next(size) if o else NOT_OPENED for o in opened))
     return (
-        _key_in(_CALL_LAYOUTS, (n_args, names, widths)),
+        repr((n_args, names, widths)),
         tuple(at for at, t in enumerate(is_tensor) if t),
         tuple(at for at, t in enumerate(is_tensor) if not t),
     )
@@ -165,9 +163,8 @@ def call_layout(
 
 @torch._dynamo.assume_constant_result
 def call_layout_of(layout: str) -> tuple[int, tuple[str, ...], tuple[int, ...]]:
-    # Run, not traced: a list Dynamo read while tracing would be guarded on, and a layout
-    # added later would fail those guards.
-    return _CALL_LAYOUTS[int(layout)]
+    # Run, not traced: Dynamo does not trace the parser.
+    return ast.literal_eval(layout)
 
 
 # The region blocks by key, for the functions Dynamo runs rather than traces (they take
