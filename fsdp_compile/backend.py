@@ -285,6 +285,9 @@ class MfsdpBackend:
         self.calls: list = []
         """The repeated blocks' calls this backend's traces named (``block_record.BlockCall``):
         owned here, they live as long as the graphs that name them."""
+        self.meta_runs: dict[tuple, dict] = {}
+        """The block calls' fake runs while its graphs run on the meta device (the
+        simulator's step), one per structure and input layout (``block_fakes.fake_run``)."""
         self.pending = PendingGraphs()
         """The autograd graphs of the block calls whose backward has not run yet."""
         self._serial = next(_BACKEND_SERIALS)
@@ -302,6 +305,7 @@ class MfsdpBackend:
     def _compile(self, graphs: list[CompiledGraph], gm: fx.GraphModule, example_inputs: list):
         if not self.options.cuda_graph:  # refused there, by the pipeline's check
             _say_graph_break(gm, compiling_backend() or self)
+        _say_last_compile()
         graph = CompiledGraph(gm, example_inputs, self.options)
         graphs.append(graph)
         return graph.compile(example_inputs)
@@ -368,6 +372,37 @@ def _say_graph_break(gm: fx.GraphModule, owner: MfsdpBackend) -> None:
         f"mfsdp: the step is not one graph. {sentence} What runs there gathers each parameter it "
         "reads on its own, with no prefetch or bucketing, and a repeated block called there runs "
         "uncompiled. Keep the step in one graph for mfsdp's plan to cover it.",
+        stacklevel=3,
+    )
+
+
+# NOTE: the recompile limit is said
+#     Dynamo compiles one frame at most ``torch._dynamo.config.recompile_limit`` times (8) in a
+#     process, then runs it in Python, saying so only in its log. A step's graph names its own
+#     model's parameters (their ids, its blocks' calls), so each model sharded and compiled in
+#     one process compiles the same forward again, as does each turn of gradient sync: the
+#     ninth model of one class (a notebook cell run again, a sweep in one process) would run
+#     uncompiled, gathering each parameter at each read. The compile that reaches the limit
+#     says so, with the fixes; it happens once per frame until torch.compiler.reset().
+
+
+def _say_last_compile() -> None:
+    """Warn when Dynamo compiles the frame under way for the last time (NOTE: the recompile
+    limit is said)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    limit = torch._dynamo.config.recompile_limit
+    if compile_id is None or compile_id.frame_compile_id != limit - 1:
+        return
+    code = InstructionTranslator.current_tx().f_code
+    warnings.warn(
+        f"mfsdp: Dynamo compiles {code.co_name} ({code.co_filename}, line {code.co_firstlineno}) "
+        f"for the {limit}th time in this process, its limit (torch._dynamo.config.recompile_limit), "
+        "and runs it uncompiled from the next time on. Each model sharded and compiled in one "
+        "process compiles its step anew, as does each turn of set_requires_gradient_sync. "
+        "Fix: call torch.compiler.reset() before building the next model, or raise "
+        "torch._dynamo.config.recompile_limit.",
         stacklevel=3,
     )
 

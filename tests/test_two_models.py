@@ -4,6 +4,7 @@ its own unsharded reference, under options of its own, and dumps into its own fo
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,21 @@ def test_one_model_accumulating_leaves_the_other_s_step_and_gradients_as_they_we
         assert any(e is not None for e in expected)
         assert all(g is e or torch.equal(g, e) for g, e in zip(got, expected, strict=True))
 
+
+@pytest.mark.structure
+def test_the_compile_that_reaches_dynamo_s_recompile_limit_says_so_with_the_fix():
+    """Each model's step is a compile of its own of the same forward, and Dynamo runs a frame
+    uncompiled past its recompile limit: the compile that reaches it warns, once, naming the
+    frame and the fixes; the model compiled then still trains compiled."""
+    tokens, targets = make_batch(CFG, 2, 8, 0, 0)
+    with one_rank_group(), torch._dynamo.config.patch(recompile_limit=2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backends = []
+            for seed in range(2):
+                backends.append(MfsdpBackend(compiler="eager"))
+                model = fully_shard(build_model(CFG, seed=seed))
+                loss_fn(torch.compile(model, backend=backends[-1])(tokens), targets).backward()
+    said = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+    assert len(said) == 1 and "forward" in said[0] and "torch.compiler.reset()" in said[0], said
+    assert all(len(b.graphs) == 1 for b in backends)
