@@ -28,7 +28,12 @@ from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
 
 class _RooflineCounter(TorchDispatchMode):
     """What the cost model charges the body's ops, had they been nodes of the step
-    (fsdp_compile/schedule.py): FLOPs where torch counts them, else the bytes an op writes."""
+    (fsdp_compile/schedule.py): FLOPs where torch counts them, else the bytes an op writes.
+
+    A tensor-parallel body computes on DTensors, whose ops this mode would see first, at
+    their global shapes (tp times this rank's work). It declines them, so DTensor runs each
+    on this rank's pieces and the mode counts those; the collectives DTensor issues there
+    are the schedule's to time (``schedule.body_of``), not compute."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,7 +42,11 @@ class _RooflineCounter(TorchDispatchMode):
         """Whether an op drew from a random generator (dropout's ``bernoulli_``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
+        if func.namespace == "_c10d_functional":
+            return func(*args, **kwargs)
         self.random |= torch.Tag.nondeterministic_seeded in func.tags
         out = func(*args, **kwargs)
         count = flop_registry.get(func.overloadpacket)

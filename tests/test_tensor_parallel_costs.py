@@ -104,6 +104,20 @@ def test_the_simulated_step_waits_out_each_tensor_parallel_collective():
     assert shared.schedules["ours"].exposed_tensor_parallel_seconds >= fast.exposed_tensor_parallel_seconds * (1 - 1e-9)
 
 
+def test_a_tensor_parallel_block_call_is_charged_this_rank_s_flops():
+    """The cost model charges a block call the FLOPs its body runs on this rank: under tp 2,
+    half those of the same block unsplit (both of its linears split), forward and backward.
+    The counter saw each DTensor op at its global shape before, charging tp times the work."""
+    with fake_process_group(DP * TP):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        split = _compiled_step(_parallelized(mesh))
+        plain = _compiled_step(fully_shard(_Model(), mesh=mesh["dp"]))
+    costs = [{call.traced["cost"][role][0] for call in backend.calls} for backend in (split, plain) for role in ("forward", "backward")]
+    (split_forward,), (split_backward,), (plain_forward,), (plain_backward,) = costs
+    assert plain_forward > 0 and plain_backward > 0
+    assert (split_forward * TP, split_backward * TP) == (plain_forward, plain_backward)
+
+
 def test_async_tp_estimate_takes_the_sequence_parallel_gathers_and_scatters_beside_matmuls():
     """HF Llama under sequence parallelism, dp 2 x tp 2: async TP would cut, in forward,
     each layer's two gathers (before attention and the MLP) and two scatters (after them)
