@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile.errors import UsageError
@@ -28,6 +29,15 @@ def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
         raise UsageError(
             f"fully_shard was already called on this {type(module).__name__}; call it once per "
             "module (submodules first, then the root)."
+        )
+    by_fsdp2 = next((name for name, m in module.named_modules() if isinstance(m, FSDPModule)), None)
+    if by_fsdp2 is not None:
+        raise UsageError(
+            f"this model{f' (its {by_fsdp2})' if by_fsdp2 else ''} was sharded by torch's FSDP2 "
+            "(torch.distributed.fsdp.fully_shard, or transformers' DistributedConfig with "
+            "fsdp_size or dp_replicate_size above 1, which applies it): its parameters are "
+            "already data-parallel shards. Shard it with one of the two: build the model "
+            "without FSDP2, then call fsdp_compile.fully_shard."
         )
     owned = _sharded_by_an_enclosing_call(module)
     if owned is not None:

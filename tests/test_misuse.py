@@ -153,6 +153,20 @@ def test_fully_shard_on_a_submodule_after_its_root():
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("where", ["root", "block"])
+def test_a_model_torch_s_fsdp2_sharded(where):
+    """Its parameters are DTensors on the data-parallel mesh already (torch's fully_shard, or
+    transformers' DistributedConfig, which applies it): not tensor-parallel pieces."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    with fake_process_group(2):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        torch_fully_shard(model if where == "root" else model[1])
+        with pytest.raises(ValueError, match="sharded by torch's FSDP2.*build the model without FSDP2"):
+            fully_shard(model)
+
+
+@pytest.mark.structure
 def test_units_whose_parameters_are_already_sharded_are_accepted():
     """Submodules first, then the root: a module whose only parameter is tied to one an earlier
     sibling call sharded, and a root holding only its units' parameters, are no such mistake."""
