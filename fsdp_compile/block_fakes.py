@@ -305,8 +305,9 @@ class _Graded:
         autograd node consuming each gathered weight (the copy-out of a flat, or the ops
         reading a parameter on its own), which outputs the backward reached
         (``traced["graded"]``); the step's backward then gives a weight no member of which
-        has a gradient none at all (no reduce-scatter: its ``.grad`` stays None, as at the
-        root). Each traced call tells its block's flats which members to hand out; a call
+        has a gradient none at all, and the marker's backward takes that None as it is, not
+        as zeros (``ops._unshard_setup_context``): no reduction runs for it and its ``.grad``
+        stays None, as at the root. Each traced call tells its block's flats which members to hand out; a call
         traced inline (``regional=False``) is fake-run for that alone (``block_graded``). Run
         eagerly, the copy-out's own node says so at each backward (``region_body.region_inline``).
     """

@@ -316,9 +316,17 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
     ctx.shard_dtype = shard.dtype
     ctx.accumulates = accumulator is not None
     ctx.save_for_backward(pending)
+    # A gathered weight the step's backward gives no gradient (read only under no_grad in a
+    # block's body: NOTE: parameters without a gradient) reaches the backward as None, not
+    # as zeros: its parameter's .grad stays None, and no reduction of zeros runs (the
+    # partitioner moved such a zeros-only chain into the forward on some ranks and left it in
+    # the backward's bucket on others: mismatched collectives).
+    ctx.set_materialize_grads(False)
 
 
-def _unshard_backward(ctx, grad: Tensor):
+def _unshard_backward(ctx, grad: Tensor | None):
+    if grad is None:
+        return (None,) * 11
     if ctx.accumulates:
         # A micro-batch without gradient sync: no collective; autograd sums the full
         # gradient into accumulator.grad, in reduce_dtype so bf16 compute accumulates in fp32.
