@@ -295,6 +295,31 @@ def with_meshes(shard_options: dict) -> dict:
     return options
 
 
+def shard(model, shard_options: dict):
+    """``model`` sharded as ``shard_options`` say, in plain values (``with_meshes``); with
+    ``tp_size``, first split by tensor parallelism on a ``(dp, tp)`` mesh over every rank
+    (``transformer_tensor_parallel``), then sharded over "dp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compile import fully_shard
+    from fsdp_compile.testing.tensor_parallel import transformer_tensor_parallel
+
+    options = dict(shard_options)
+    tp = options.pop("tp_size", None)
+    if tp is not None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+        transformer_tensor_parallel(model, mesh["tp"])
+        options["mesh"] = mesh["dp"]
+    return fully_shard(model, **with_meshes(options))
+
+
+def data_parallel(rank: int, world: int, shard_options: dict) -> tuple[int, int]:
+    """This rank's place among the ranks that see batches of their own, and their number:
+    under tensor parallelism (``tp_size``) the ranks of one "tp" group share a batch."""
+    tp = shard_options.get("tp_size", 1)
+    return rank // tp, world // tp
+
+
 def parity_run(
     rank, world, *, cfg, modes, mesh_shape=None, ep_size=None, max_norm=None, backend_options=None, adam_eps=1e-8,
     **shard_options,
@@ -348,11 +373,11 @@ def _micro_batch(cfg, step, micro, rank):
 def accumulate_run(rank, world, *, cfg, mode, **shard_options):
     """k micro-batches per optimizer step, sync only on the last, against a reference that
     trains on all ranks' micro-batches of a step as one batch. ``mode``: "none" (uncompiled
-    markers) or the mfsdp compiler; ``shard_options`` go through ``with_meshes`` to
-    ``fully_shard``."""
-    from fsdp_compile import MfsdpBackend, fully_shard
+    markers) or the mfsdp compiler; ``shard_options`` go to ``shard``."""
+    from fsdp_compile import MfsdpBackend
     from fsdp_compile.patterns import count_collectives
 
+    rank, world = data_parallel(rank, world, shard_options)
     reference = build_model(cfg)
     # Micro-batches summed locally, then reduced, against one batch: another summation order
     # (see SUMMATION_ORDER_EPS).
@@ -367,7 +392,7 @@ def accumulate_run(rank, world, *, cfg, mode, **shard_options):
         ref_losses.append(loss.detach())
 
     torch._dynamo.reset()
-    model = fully_shard(build_model(cfg), **with_meshes(shard_options))
+    model = shard(build_model(cfg), shard_options)
     backend = MfsdpBackend(compiler=mode) if mode != "none" else None
     forward = torch.compile(model, backend=backend) if backend else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=SUMMATION_ORDER_EPS)
@@ -429,11 +454,11 @@ def _checkpoint_steps(model, forward, opt, cfg, steps, rank, world):
 
 
 def checkpoint_setup(cfg, seed, **shard_options):
-    """A sharded model (``shard_options`` through ``with_meshes``), its eager-compiled forward
-    and AdamW; ``seed`` picks the initial weights."""
-    from fsdp_compile import MfsdpBackend, fully_shard
+    """A sharded model (``shard_options`` to ``shard``), its eager-compiled forward and AdamW;
+    ``seed`` picks the initial weights."""
+    from fsdp_compile import MfsdpBackend
 
-    model = fully_shard(build_model(cfg, seed=seed), **with_meshes(shard_options))
+    model = shard(build_model(cfg, seed=seed), shard_options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, torch.compile(model, backend=MfsdpBackend(compiler="eager")), opt
 
@@ -445,6 +470,7 @@ def checkpoint_save_run(rank, world, *, cfg, path, **shard_options):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, forward, opt = checkpoint_setup(cfg, seed=0, **shard_options)
+    rank, world = data_parallel(rank, world, shard_options)
     _checkpoint_steps(model, forward, opt, cfg, range(SAVE_AFTER), rank, world)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -466,6 +492,7 @@ def checkpoint_resume_run(rank, world, *, cfg, path, **shard_options):
     # shows in the losses, the resumed run starting from other weights.
     dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank, world = data_parallel(rank, world, shard_options)
     return _checkpoint_steps(model, forward, opt, cfg, range(SAVE_AFTER, TOTAL), rank, world)
 
 

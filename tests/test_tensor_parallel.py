@@ -27,8 +27,9 @@ import fsdp_compile
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard, shard_info
 from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES
 from fsdp_compile.patterns import ALL_GATHER, ALL_GATHER_OUT, ALL_REDUCE, REDUCE_SCATTER, is_block_call
-from fsdp_compile.testing.tensor_parallel import hf_llama_sequence_parallel
-from harness import fake_process_group, relative_error, spawn
+from fsdp_compile.testing.models import TransformerConfig, loss_fn
+from fsdp_compile.testing.tensor_parallel import hf_llama_sequence_parallel, transformer_tensor_parallel
+from harness import build_model, fake_process_group, make_batch, relative_error, spawn
 
 DIM, HIDDEN, VOCAB, LAYERS, STEPS = 16, 32, 64, 2, 3
 DP, TP = 2, 2
@@ -263,6 +264,31 @@ def test_parameters_are_gathered_over_dp_and_the_tensor_parallel_collectives_sta
     ((body,),) = backend.bodies.values()  # one body, compiled once, for both layers
     assert _groups(body.forward, ALL_REDUCE) == [tp] and _groups(body.backward, ALL_REDUCE) == [tp]
     assert not _groups(body.forward, ALL_GATHER, ALL_GATHER_OUT) and not _groups(body.backward, REDUCE_SCATTER)
+
+
+@pytest.mark.structure
+def test_weights_a_block_reads_without_a_gradient_get_no_reduction_and_no_grad():
+    """The test transformer split by ``transformer_tensor_parallel``: each block's weights are
+    gathered on their own (no flat parameter under tensor parallelism), two of them read only
+    under ``torch.no_grad()`` and one never. Those get no gradient: no collective reduces
+    zeros for them, and their ``.grad`` stays None, as in the unsharded model. Before, the
+    marker's backward was handed zeros: each parameter got a zero gradient (which AdamW
+    decays), and the partitioner moved the zeros' reduce-scatter into the forward on some
+    ranks and left it in the backward's bucket on others: mismatched collectives, a hang."""
+    cfg = TransformerConfig(idle_params=True, hidden=92)
+    with fake_process_group(DP * TP):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        model = build_model(cfg)
+        transformer_tensor_parallel(model, mesh["tp"])
+        fully_shard(model, mesh=mesh["dp"])
+        backend = MfsdpBackend(compiler="eager")
+        tokens, targets = make_batch(cfg, 2, 8, 0, 0)
+        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
+    (graph,) = backend.graphs
+    assert not any(n.target == REDUCE_SCATTER for n in graph.forward.graph.nodes)
+    idle = {n for n, _ in model.named_parameters() if n.split(".")[2:3] in (["gate"], ["unread"])}
+    assert len(idle) == 3 * cfg.n_layers
+    assert {n for n, p in model.named_parameters() if p.requires_grad and p.grad is None} == idle
 
 
 @pytest.mark.structure

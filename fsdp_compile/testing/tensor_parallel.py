@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -43,3 +43,19 @@ def hf_llama_sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     }
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, layer_plan)
+
+
+def transformer_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron's split of the test transformer's dense MLPs (``fsdp_compile.testing.models``):
+    ``gate`` by columns, the raw ``up`` weight its custom Function reads cut by rows as a
+    column-parallel weight is, ``down`` by rows (one all-reduce of each MLP's output over
+    "tp"). The MLP takes its input as a replicated DTensor and keeps the hidden activations
+    DTensors, on which the Function computes. Attention stays whole: its 3 heads split evenly
+    over no tensor-parallel size but 3."""
+    for layer in model.layers:
+        mlp = layer.mlp
+        parallelize_module(mlp, tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+        ))  # fmt: skip
+        parallelize_module(mlp, tp_mesh, {"gate": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
+        mlp.up = nn.Parameter(distribute_tensor(mlp.up.detach(), tp_mesh, [Shard(0)]), requires_grad=mlp.up.requires_grad)
