@@ -395,9 +395,11 @@ def _say_last_compile() -> None:
     limit = torch._dynamo.config.recompile_limit
     if compile_id is None or compile_id.frame_compile_id != limit - 1:
         return
-    code = InstructionTranslator.current_tx().f_code
+    tx = InstructionTranslator.current_tx() if torch._guards.TracingContext.try_get() else None
+    code = getattr(tx, "f_code", None)
+    frame = f"{code.co_name} ({code.co_filename}, line {code.co_firstlineno})" if code else "a frame"
     warnings.warn(
-        f"mfsdp: Dynamo compiles {code.co_name} ({code.co_filename}, line {code.co_firstlineno}) "
+        f"mfsdp: Dynamo compiles {frame} "
         f"for the {limit}th time in this process, its limit (torch._dynamo.config.recompile_limit), "
         "and runs it uncompiled from the next time on. Each model sharded and compiled in one "
         "process compiles its step anew, as does each turn of set_requires_gradient_sync. "
