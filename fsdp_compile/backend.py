@@ -33,7 +33,7 @@ from torch.fx.graph import _BoxedCodeGen
 from fsdp_compile.block_call import block_calls_keep_their_buffers
 from fsdp_compile.block_record import call_record
 from fsdp_compile.block_runtime import PendingGraphs
-from fsdp_compile.compat import compile_caches_work
+from fsdp_compile.compat import compile_caches_work, missing_gradients_stay_missing
 from fsdp_compile.debug import GraphDumper, debug_dir, frame_dumper
 from fsdp_compile.passes.check_graph_breaks import graph_break
 from fsdp_compile.patterns import is_block_call, is_block_forward, is_block_probe
@@ -308,7 +308,8 @@ class MfsdpBackend:
         _say_last_compile()
         graph = CompiledGraph(gm, example_inputs, self.options)
         graphs.append(graph)
-        return graph.compile(example_inputs)
+        with missing_gradients_stay_missing():
+            return graph.compile(example_inputs)
 
     def frame(self, name: str, body: Callable) -> Callable:
         """``body`` (a repeated block's, NOTE: one op per block call) compiled by this backend

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
@@ -30,10 +31,11 @@ class _RooflineCounter(TorchDispatchMode):
     """What the cost model charges the body's ops, had they been nodes of the step
     (fsdp_compile/schedule.py): FLOPs where torch counts them, else the bytes an op writes.
 
-    A tensor-parallel body computes on DTensors, whose ops this mode would see first, at
-    their global shapes (tp times this rank's work). It declines them, so DTensor runs each
-    on this rank's pieces and the mode counts those; the collectives DTensor issues there
-    are the schedule's to time (``schedule.body_of``), not compute."""
+    A tensor-parallel body computes on DTensors, whose ops this mode sees at their global
+    shapes (tp times this rank's work): each is charged as its local pieces, the tensors
+    DTensor computes on here. (Declining them, for DTensor to run them on the pieces,
+    counted the global shapes too on torch 2.11, whose sharding propagation runs each op
+    on fake global tensors under this mode.)"""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,19 +44,16 @@ class _RooflineCounter(TorchDispatchMode):
         """Whether an op drew from a random generator (dropout's ``bernoulli_``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
         kwargs = kwargs or {}
-        if func.namespace == "_c10d_functional":
-            return func(*args, **kwargs)
         self.random |= torch.Tag.nondeterministic_seeded in func.tags
         out = func(*args, **kwargs)
+        args, kwargs, local = tree_map_only(DTensor, operator.attrgetter("_local_tensor"), (args, kwargs, out))
         count = flop_registry.get(func.overloadpacket)
-        flops = _flops(count, args, kwargs, out) if count is not None else None
+        flops = _flops(count, args, kwargs, local) if count is not None else None
         if flops is not None:
             self.flops += flops
-        elif isinstance(out, Tensor):
-            self.bytes += out.numel() * out.element_size()
+        elif isinstance(local, Tensor):
+            self.bytes += local.numel() * local.element_size()
         return out
 
 

@@ -7,6 +7,7 @@ right thing, so that a torch fix needs no change here.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -120,3 +121,35 @@ def compiling() -> Iterator[None]:
         yield
     finally:
         torch.compiler._is_compiling_flag = before
+
+
+@contextlib.contextmanager
+def missing_gradients_stay_missing() -> Iterator[None]:
+    """Inside, ``DTensor.to_local``'s backward hands a missing gradient on as None, as torch
+    2.13's does (its ``_ToTorchTensor`` sets ``set_materialize_grads(False)``). torch 2.11's
+    materialises it as zeros: a weight a block reads only under ``torch.no_grad()`` and
+    gathered on its own (every block weight under tensor parallelism) got a zero gradient in
+    the compiled step's joint graph, which AdamW's weight decay then moved, where the
+    unsharded model leaves ``.grad`` None. Patched while the backend traces a graph (the
+    joint graph is traced then); a no-op where torch keeps None."""
+    from torch.distributed.tensor._api import _ToTorchTensor
+
+    forward, backward = _ToTorchTensor.__dict__["forward"], _ToTorchTensor.__dict__["backward"]
+    if "set_materialize_grads" in inspect.getsource(forward.__func__):
+        yield
+        return
+
+    def forward_keeping_none(ctx, *args):
+        ctx.set_materialize_grads(False)
+        return forward.__func__(ctx, *args)
+
+    def backward_keeping_none(ctx, grad_output):
+        if grad_output is None:
+            return None, None
+        return backward.__func__(ctx, grad_output)
+
+    _ToTorchTensor.forward, _ToTorchTensor.backward = staticmethod(forward_keeping_none), staticmethod(backward_keeping_none)
+    try:
+        yield
+    finally:
+        _ToTorchTensor.forward, _ToTorchTensor.backward = forward, backward
