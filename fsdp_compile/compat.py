@@ -135,7 +135,11 @@ def missing_gradients_stay_missing() -> Iterator[None]:
     from torch.distributed.tensor._api import _ToTorchTensor
 
     forward, backward = _ToTorchTensor.__dict__["forward"], _ToTorchTensor.__dict__["backward"]
-    if "set_materialize_grads" in inspect.getsource(forward.__func__):
+    try:
+        keeps_none = "set_materialize_grads" in inspect.getsource(forward.__func__)
+    except (OSError, TypeError):  # no source at hand: patching is harmless where torch keeps None
+        keeps_none = False
+    if keeps_none:
         yield
         return
 
