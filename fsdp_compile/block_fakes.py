@@ -306,9 +306,10 @@ class _Graded:
         (``traced["graded"]``); the step's backward then gives a weight no member of which
         has a gradient none at all, and the marker's backward takes that None as it is, not
         as zeros (``ops._unshard_setup_context``): no reduction runs for it and its ``.grad``
-        stays None, as at the root. Each traced call tells its block's flats which members to hand out; a call
-        traced inline (``regional=False``) is fake-run for that alone (``block_graded``). Run
-        eagerly, the copy-out's own node says so at each backward (``region_body.region_inline``).
+        stays None, as at the root. Each traced call tells its block's flats which members to
+        hand out; a call traced inline (``regional=False``) is fake-run for that alone
+        (``block_graded``). Run eagerly, the copy-out's own node says so at each backward
+        (``region_body.region_inline``).
     """
 
     def __init__(self, outputs: list[Tensor], weights: list[Tensor]) -> None:

@@ -7,6 +7,7 @@ right thing, so that a torch fix needs no change here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Iterator
 
@@ -134,14 +135,10 @@ def missing_gradients_stay_missing() -> Iterator[None]:
     joint graph is traced then); a no-op where torch keeps None."""
     from torch.distributed.tensor._api import _ToTorchTensor
 
-    forward, backward = _ToTorchTensor.__dict__["forward"], _ToTorchTensor.__dict__["backward"]
-    try:
-        keeps_none = "set_materialize_grads" in inspect.getsource(forward.__func__)
-    except (OSError, TypeError):  # no source at hand: patching is harmless where torch keeps None
-        keeps_none = False
-    if keeps_none:
+    if _to_local_keeps_none():
         yield
         return
+    forward, backward = _ToTorchTensor.__dict__["forward"], _ToTorchTensor.__dict__["backward"]
 
     def forward_keeping_none(ctx, *args):
         ctx.set_materialize_grads(False)
@@ -157,3 +154,15 @@ def missing_gradients_stay_missing() -> Iterator[None]:
         yield
     finally:
         _ToTorchTensor.forward, _ToTorchTensor.backward = forward, backward
+
+
+@functools.cache
+def _to_local_keeps_none() -> bool:
+    """Whether this torch's ``DTensor.to_local`` backward already keeps a missing gradient
+    None (asked once: every compile would read torch's source again)."""
+    from torch.distributed.tensor._api import _ToTorchTensor
+
+    try:
+        return "set_materialize_grads" in inspect.getsource(_ToTorchTensor.forward)
+    except (OSError, TypeError):  # no source at hand: patching is harmless where torch keeps None
+        return False

@@ -134,9 +134,6 @@ def param_at(block: nn.Module, path: str) -> nn.Parameter:
 NOT_OPENED = -1
 
 
-# A body call's layout, how its flat leaves regroup: (positional count, keyword names, widths),
-# the first width the gathered weights'. Its key is its own repr, a string of ints and names:
-# the same layout has the same key in every process, whatever was compiled before.
 @torch._dynamo.assume_constant_result
 def opened_at(opened: tuple[bool, ...]) -> tuple[int, ...]:
     """The positions of the arguments that are tuples, last first (run, not traced, by
@@ -144,6 +141,9 @@ def opened_at(opened: tuple[bool, ...]) -> tuple[int, ...]:
     return tuple(at for at in range(len(opened) - 1, -1, -1) if opened[at])
 
 
+# A body call's layout, how its flat leaves regroup: (positional count, keyword names, widths),
+# the first width the gathered weights'. Its key is its own repr, a string of ints and names:
+# the same layout has the same key in every process, whatever was compiled before.
 @torch._dynamo.assume_constant_result
 def call_layout(
     n_args: int, names: tuple[str, ...], n_gathered: int, opened: tuple[bool, ...], sizes: tuple[int, ...],
