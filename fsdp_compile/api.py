@@ -126,7 +126,9 @@ def _float8_weights(module: nn.Module, strategy: str, experts) -> dict[int, Floa
     found = {}
     for key, (fqn, param) in _managed_params(module).items():
         owner_path, _, name = fqn.rpartition(".")
-        float8 = float8_gather_of(module.get_submodule(owner_path), name, param, strategy)
+        # A tensor-parallel float8 weight: torchao's wrapper is the DTensor's local piece.
+        local = param.to_local() if isinstance(param, DTensor) else param
+        float8 = float8_gather_of(module.get_submodule(owner_path), name, local, strategy)
         if float8 is not None:
             found[key] = float8
     return found
@@ -211,12 +213,11 @@ def fully_shard(
             # Tied to a parameter an earlier (submodule) call already sharded: reuse that one.
             sharded[key] = param._mfsdp_sharded_as
             continue
-        if isinstance(param, DTensor):  # placed by tensor parallelism (check_tensor_parallel)
-            reshards = _reshards(reshard_after_forward, fqn)
-            sharded[key] = _tensor_parallel_shard(param, fqn, unit, strategy, mesh, reshards, mp_policy)
-            continue
         float8 = float8_weights.get(key)
         reshards = _reshards(reshard_after_forward, fqn)
+        if isinstance(param, DTensor):  # placed by tensor parallelism (check_tensor_parallel)
+            sharded[key] = _tensor_parallel_shard(param, fqn, unit, strategy, mesh, reshards, mp_policy, float8)
+            continue
         info = _dense_info(param, fqn, unit, strategy, mesh, reshards, mp_policy, float8)
         # A float8 weight: the fp32 master inside torchao's wrapper is what is sharded.
         values = master_weight(param) if float8 else None
@@ -261,7 +262,7 @@ def _dense_info(
 
 def _tensor_parallel_shard(
     param: nn.Parameter, fqn: str, unit: str, strategy: Strategy, mesh: DeviceMesh, reshards: bool,
-    mp_policy: MixedPrecision,
+    mp_policy: MixedPrecision, float8: Float8Gather | None,
 ) -> nn.Parameter:
     """A parameter tensor parallelism placed (a DTensor on a 1-D tensor-parallel mesh),
     sharded over the data-parallel ``mesh`` too, as FSDP2 shards it: this rank's
@@ -269,11 +270,13 @@ def _tensor_parallel_shard(
     its first), a DTensor on the meshes together, whose placement on the shard dimension is
     a ``_StridedShard`` where tensor parallelism also cut rows.
     Its gather runs over ``mesh`` alone and returns the tensor-parallel piece, which a read
-    wraps as the DTensor tensor parallelism made (``TensorParallelRead``)."""
+    wraps as the DTensor tensor parallelism made (``TensorParallelRead``). A float8 weight's
+    piece is torchao's wrapper: its fp32 master is what is sharded."""
     local = param.to_local()
+    local = master_weight(local) if float8 else local
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
     info = dataclasses.replace(
-        _dense_info(local, fqn, unit, strategy, mesh, reshards, mp_policy, None),
+        _dense_info(local, fqn, unit, strategy, mesh, reshards, mp_policy, float8),
         dtensor_shape=tuple(param.shape),
         tensor_parallel=TensorParallelRead(
             tp_mesh, tp_placements, tuple(param.shape), param.stride(), tp_mesh.get_group().group_name

@@ -22,6 +22,13 @@ NOTE: float8 gathers
     outside the compiled step, and it needs its own all-reduce anyway. In the graph the
     amax all-reduce is a few bytes per bucket, issued with the bucket's gather.
 
+    A weight tensor parallelism split (NOTE: tensor-parallel blocks, in region_body.py) is
+    gathered over "dp" as this rank's piece, and the piece's max is then reduced over "tp"
+    too, so the scale is still the whole weight's, as torchao's own float8 all-gather under
+    FSDP2 + TP takes it (its max over every rank). The maxes over "tp" are a second all-reduce
+    per bucket, never merged with the one over "dp" (their groups differ); the gathered
+    float8 piece is read as the tensor-parallel DTensor around the ``Float8TrainingTensor``.
+
     A bucket may hold float8 weights beside other parameters (their unit's norms): the
     bucket key is the compute dtype, and the bucket's gather packs each member's bytes as
     they are (NOTE: bucket layout, in passes/bucket_collectives.py), so float8 costs no
@@ -40,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from fsdp_compile.errors import UsageError
@@ -128,17 +136,29 @@ def amax(tensor: Tensor) -> Tensor:
     return tensor_to_amax(tensor)
 
 
+def amax_over(local_amax: Tensor, group_name: str) -> Tensor:
+    """The max of every rank's ``local_amax`` over ``group_name``'s ranks."""
+    return funcol.wait_tensor(funcol.all_reduce(local_amax, "max", group_name))
+
+
 @torch.library.custom_op("fsdp_compile::float8_cast", mutates_args=())
-def float8_cast(weight: Tensor, dtype: torch.dtype, round_scales_to_power_of_2: bool) -> tuple[Tensor, Tensor]:
+def float8_cast(
+    weight: Tensor, dtype: torch.dtype, round_scales_to_power_of_2: bool, tensor_parallel_group: str
+) -> tuple[Tensor, Tensor]:
     """The whole ``weight`` cast to float8 with torchao's tensorwise dynamic scale:
-    ``(data, scale)``. Traced, it follows the ``unshard`` marker, and lower_collectives casts
-    the shard before the gather instead (see NOTE: float8 gathers)."""
-    weight_scale = scale(amax(weight), dtype, round_scales_to_power_of_2)
+    ``(data, scale)``. ``tensor_parallel_group``: where ``weight`` is this rank's
+    tensor-parallel piece, the group holding the other pieces, whose max the scale takes too;
+    "" otherwise. Traced, it follows the ``unshard`` marker, and lower_collectives casts the
+    shard before the gather instead (see NOTE: float8 gathers)."""
+    weight_amax = amax(weight)
+    if tensor_parallel_group:
+        weight_amax = amax_over(weight_amax, tensor_parallel_group)
+    weight_scale = scale(weight_amax, dtype, round_scales_to_power_of_2)
     return cast(weight, weight_scale, dtype), weight_scale
 
 
 @float8_cast.register_fake
-def _(weight, dtype, round_scales_to_power_of_2):
+def _(weight, dtype, round_scales_to_power_of_2, tensor_parallel_group):
     return weight.new_empty(weight.shape, dtype=dtype), weight.new_empty((), dtype=torch.float32)
 
 
@@ -150,18 +170,21 @@ class _Float8Weight(torch.autograd.Function):
     through to the gathered high-precision weight (torchao's convention for its casts)."""
 
     @staticmethod
-    def forward(ctx, gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype):
+    def forward(ctx, gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype, tensor_parallel_group: str):
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
-        data, scale = float8_cast(gathered, cast.dtype, cast.round_scales_to_power_of_2)
+        data, scale = torch.ops.fsdp_compile.float8_cast.default(
+            gathered, cast.dtype, cast.round_scales_to_power_of_2, tensor_parallel_group
+        )
         return Float8TrainingTensor(data, scale, orig_dtype, cast.linear_mm_config, GemmInputRole.WEIGHT)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad, None, None
+        return grad, None, None, None
 
 
-def float8_weight(gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype) -> Tensor:
+def float8_weight(gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype, tensor_parallel_group: str = "") -> Tensor:
     """``gathered`` (the marker's output, stored dtype) as a float8 weight whose matmuls
-    compute in ``orig_dtype``."""
-    return _Float8Weight.apply(gathered, cast, orig_dtype)
+    compute in ``orig_dtype``; a tensor-parallel piece (``tensor_parallel_group``: the group
+    of the other pieces) is scaled as the whole weight is."""
+    return _Float8Weight.apply(gathered, cast, orig_dtype, tensor_parallel_group)

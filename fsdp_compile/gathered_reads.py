@@ -57,12 +57,13 @@ def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict) ->
 
 def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
     """``param`` (its sharding record ``info``) gathered for use: the ``unshard`` marker, then,
-    for a float8 weight, its float8 wrapper."""
+    for a float8 weight, its float8 wrapper, and for a tensor-parallel one, its DTensor."""
     try:
         gathered = unshard_marker(param.to_local(), marker_args(info, param.dtype), info.accumulation)
-        if info.tensor_parallel is not None:
-            return info.tensor_parallel.read(gathered)
-        return gathered if info.float8 is None else float8_weight(gathered, info.float8, info.param_dtype)
+        read = info.tensor_parallel
+        if info.float8 is not None:
+            gathered = float8_weight(gathered, info.float8, info.param_dtype, read.group_name if read else "")
+        return gathered if read is None else read.read(gathered)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to
         # nn.Module.__getattr__, which would silently hand the *shard* to the caller.

@@ -11,7 +11,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile.errors import UsageError
-from fsdp_compile.float8 import is_float8_weight
 from fsdp_compile.ops import STRATEGIES
 from fsdp_compile.records import ShardInfo, is_fully_sharded, shard_info
 
@@ -114,12 +113,6 @@ def _check_one_tensor_parallel(name: str, param: DTensor, mesh: DeviceMesh) -> N
         )
     if param.ndim == 0:
         raise UsageError(f"parameter {name!r} is a 0-dim DTensor and cannot be sharded on dim 0; give it shape [1].")
-    if is_float8_weight(param.to_local()):
-        raise UsageError(
-            f"parameter {name!r} is a float8 weight under tensor parallelism: its float8 gather "
-            "over the data-parallel ranks is not built yet. Leave it out of the float8 "
-            "conversion (convert_to_float8_training(..., module_filter_fn=...))."
-        )
     names = set(mesh.mesh_dim_names or ()) & set(tp_mesh.mesh_dim_names or ())
     fix = (
         "they must be distinct dimensions of one mesh with names: mesh = init_device_mesh(device, "

@@ -346,19 +346,19 @@ def _float8(ctx: RankContext) -> dict:
     per rank) and, with the same layout, against the uncompiled markers; no_shard gathers
     nothing and must refuse float8 weights before any collective."""
     cfg = replace(ctx.layout.cfg, vocab=67, dim=64, n_heads=4, hidden=128)
-    if ctx.layout.options.get("strategy") == "no_shard" or ctx.layout.tensor_parallel:
+    if ctx.layout.options.get("strategy") == "no_shard":
         try:
             ctx.shard(float8_model(cfg))
         except UsageError as error:
             return {"refused": str(error)}
         return {"refused": ""}
-    ref_losses, ref_params = per_rank_reference(float8_model(cfg), cfg, ctx.world, steps=STEPS)
+    ref_losses, ref_params = per_rank_reference(float8_model(cfg), cfg, ctx.data_world, steps=STEPS)
     runs = {}
     for compiled in (True, False):
         torch._dynamo.reset()
         model = ctx.shard(float8_model(cfg))
         forward = ctx.compiled(model)[0] if compiled else model
-        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, ctx.rank), steps=STEPS))
+        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, ctx.data_rank), steps=STEPS))
         runs[compiled] = losses, full_parameters(model)
     (losses, params), (eager_losses, eager_params) = runs[True], runs[False]
     return {
@@ -458,8 +458,6 @@ def _check(api: str, layout: Layout, r: dict) -> None:
     elif api == "float8":
         if layout.options.get("strategy") == "no_shard":
             assert "gathers nothing" in r["refused"], r
-        elif layout.tensor_parallel:  # not built yet (docs/misuse.md)
-            assert "float8 weight under tensor parallelism" in r["refused"], r
         elif layout.world == 2:
             assert _close(r, "loss_error", "param_error", "eager_loss_error", "eager_param_error"), r
         else:

@@ -26,10 +26,11 @@ from torch.utils.checkpoint import checkpoint
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard, shard_info
 from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES
+from fsdp_compile.node_meta import BUCKET, MEMBERS
 from fsdp_compile.patterns import ALL_GATHER, ALL_GATHER_OUT, ALL_REDUCE, REDUCE_SCATTER, is_block_call
 from fsdp_compile.testing.models import TransformerConfig, loss_fn
 from fsdp_compile.testing.tensor_parallel import hf_llama_sequence_parallel, transformer_tensor_parallel
-from harness import build_model, fake_process_group, make_batch, relative_error, spawn
+from harness import FLOAT8_CFG, build_model, fake_process_group, float8_model, make_batch, max_param_error, relative_error, spawn
 
 DIM, HIDDEN, VOCAB, LAYERS, STEPS = 16, 32, 64, 2, 3
 DP, TP = 2, 2
@@ -415,7 +416,7 @@ def test_tensor_parallel_misuse_is_refused_before_any_collective(mistake):
 @pytest.mark.structure
 def test_expert_and_tensor_parallelism_in_one_model_are_refused_before_any_collective():
     """Not built yet, so refused whatever the meshes (overlapping or not): docs/misuse.md,
-    row 48."""
+    row 47."""
     from harness import build_model, moe_config
 
     with fake_process_group(DP * TP):
@@ -430,7 +431,7 @@ def test_expert_and_tensor_parallelism_in_one_model_are_refused_before_any_colle
 def test_fully_shard_before_parallelize_module_is_refused_by_torch_before_any_collective():
     """The FSDP2 order is tensor parallelism first. The other order stops in
     ``parallelize_module`` itself, on every rank and before any collective: torch will not
-    move a DTensor (the data-parallel shard) onto another mesh (docs/misuse.md, row 47)."""
+    move a DTensor (the data-parallel shard) onto another mesh (docs/misuse.md, row 46)."""
     with fake_process_group(DP * TP):
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
         model = fully_shard(_Model(), mesh=mesh["dp"])
@@ -613,17 +614,90 @@ def test_rows_cut_unevenly_by_tp_then_over_three_dp_ranks_are_refused():
                 assert shard_info(model[0]._parameters["weight"]).tensor_parallel is not None
 
 
-@pytest.mark.structure
-def test_float8_weights_under_tensor_parallelism_are_refused():
-    """torchao's float8 weights split by tensor parallelism: their float8 gather over "dp" is
-    not built, and gathering them in full precision would drop it without a word."""
-    pytest.importorskip("torchao")
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+def _float8_transformer(mesh, *, float8_styles: bool = False, sharded: bool = True) -> nn.Module:
+    """The float8 test transformer (``FLOAT8_CFG``: every linear but the head float8) with its
+    MLPs split over "tp", sharded over "dp" unless ``sharded`` is False."""
+    model = float8_model(FLOAT8_CFG)
+    transformer_tensor_parallel(model, mesh["tp"], float8_styles=float8_styles)
+    return fully_shard(model, mesh=mesh["dp"]) if sharded else model
 
+
+@pytest.mark.structure
+def test_float8_weights_under_tensor_parallelism_are_gathered_in_float8_over_dp():
+    """A float8 linear split by tensor parallelism: its piece is gathered over "dp" in float8
+    (bytes as uint8), and its scale is the whole weight's, the max over "dp" then over "tp"
+    (NOTE: float8 gathers). A bucket's maxes are reduced once per group: the one over "tp"
+    (its tensor-parallel weights') never merged with the one over "dp"."""
+    pytest.importorskip("torchao")
     with fake_process_group(DP * TP):
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        with pytest.raises(UsageError, match="'0.weight' is a float8 weight under tensor parallelism"):
-            fully_shard(model, mesh=mesh["dp"])
+        dp, tp = (mesh[d].get_group().group_name for d in ("dp", "tp"))
+        model = _float8_transformer(mesh)
+        gate = model.layers[0].mlp.gate._parameters["weight"]
+        assert shard_info(gate).float8 is not None and shard_info(gate).tensor_parallel is not None
+        assert isinstance(gate, DTensor) and gate.to_local().dtype == torch.float32  # the master's shard
+        backend = MfsdpBackend(compiler="eager")
+        tokens, targets = make_batch(FLOAT8_CFG, 2, 8, 0, 0)
+        loss_fn(torch.compile(model, backend=backend)(tokens), targets).backward()
+    (graph,) = backend.graphs
+    tensor_parallel_float8 = {p.param_id for p in graph.plan.params if p.sharding.float8 and p.sharding.tensor_parallel}
+    assert len(tensor_parallel_float8) == 2 * FLOAT8_CFG.n_layers  # gate and down
+    for gm in (graph.forward, graph.backward):
+        gathers = [n for n in gm.graph.nodes if n.target in (ALL_GATHER, ALL_GATHER_OUT)]
+        assert {n.args[-1] for n in gathers} == {dp}
+        float8_gathers = [n for n in gathers if tensor_parallel_float8 & set(n.meta[MEMBERS])]
+        assert float8_gathers and all(n.args[0].meta["val"].dtype == torch.uint8 for n in float8_gathers)
+    # The weights' maxes (the activations' float8 casts add maxes over "tp" of their own, in
+    # no bucket): one per float8 bucket and group, in the forward; the backward's re-gathers
+    # reuse the forward's scales.
+    maxes = {
+        gm: [n for n in gm.graph.nodes if n.target == ALL_REDUCE and n.args[1] == "max" and BUCKET in n.meta]
+        for gm in (graph.forward, graph.backward)
+    }
+    by_group = {g: [n.meta[MEMBERS] for n in maxes[graph.forward] if n.args[-1] == g] for g in (dp, tp)}
+    assert len(by_group[dp]) == len(by_group[tp]) == FLOAT8_CFG.n_layers and not maxes[graph.backward], by_group
+    assert all(set(over_tp) == set(over_dp) & tensor_parallel_float8 for over_dp, over_tp in zip(*by_group.values()))
+
+
+@pytest.mark.multirank
+def test_float8_weights_under_tensor_parallelism_give_the_gradients_of_the_model_without_mfsdp():
+    """On 4 gloo ranks (dp 2 x tp 2), one step on one batch: with torch's styles the float8
+    linears' gradients are the unsharded float8 model's; with torchao's float8 styles (whose
+    row-parallel output gradient is cast to float8 before it crosses "tp") the same model
+    split over "tp" alone, without mfsdp. Compiled and uncompiled."""
+    pytest.importorskip("torchao")
+    results = spawn(_float8_gradients, DP * TP)
+    for result in results:
+        for case, (loss_error, (worst, name)) in result.items():
+            assert loss_error < 1e-6 and worst < 1e-5, (case, loss_error, worst, name)
+
+
+def _float8_gradients(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    tokens, targets = make_batch(FLOAT8_CFG, 2, 8, 0, 0)  # one batch on every rank
+    errors = {}
+    for float8_styles in (False, True):
+        if float8_styles:
+            reference = _float8_transformer(mesh, float8_styles=True, sharded=False)
+        else:
+            reference = float8_model(FLOAT8_CFG)
+        ref_loss = loss_fn(reference(tokens), targets)
+        ref_loss.backward()
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            model = _float8_transformer(mesh, float8_styles=float8_styles)
+            forward = torch.compile(model, backend="mfsdp") if compiled else model
+            loss = loss_fn(forward(tokens), targets)
+            loss.backward()
+            grads, ref_grads = _full_grads(model), _full_grads(reference)
+            assert {n for n, g in grads.items() if g is None} == {n for n, g in ref_grads.items() if g is None}
+            errors[f"float8_styles={float8_styles} compiled={compiled}"] = (
+                relative_error(loss.detach(), ref_loss.detach()),
+                max_param_error(*({n: g for n, g in d.items() if g is not None} for d in (grads, ref_grads))),
+            )
+    return errors
+
+
+def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, whole (a collective over a DTensor's mesh)."""
+    return {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}

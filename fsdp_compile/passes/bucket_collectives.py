@@ -232,11 +232,13 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     make (a user's, an all-reduce) are left alone. The graph stays topologically sorted; the
     placement of collectives and waits is ``schedule_collectives``'s job.
     """
-    amax_reductions: dict[int, list[fx.Node]] = defaultdict(list)
+    # Per bucket and group: a tensor-parallel weight's max over "tp" follows its max over the
+    # data-parallel group, and the two never merge.
+    amax_reductions: dict[tuple[int, str], list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         if node.meta.get(AMAX):
-            amax_reductions[plan.bucket_of(node.meta[PARAM_ID]).index].append(node)
-    for index, reductions in amax_reductions.items():
+            amax_reductions[plan.bucket_of(node.meta[PARAM_ID]).index, node.args[2]].append(node)
+    for (index, _), reductions in amax_reductions.items():
         param_ids = tuple(r.meta[PARAM_ID] for r in reductions)
         merged = _merge_amax_reductions(gm, reductions) if len(reductions) > 1 else reductions
         for node in merged:

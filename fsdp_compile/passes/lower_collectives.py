@@ -58,20 +58,23 @@ def _lower_float8_unshard(graph: fx.Graph, marker: fx.Node, param: ParamPlan) ->
     with the whole weight's scale (see NOTE: float8 gathers, in fsdp_compile/float8.py)."""
     casts = list(marker.users)
     assert casts and all(is_float8_cast(c) for c in casts), f"float8 weight {param.fqn} read uncast"
-    _, dtype, round_scales = casts[0].args
+    _, dtype, round_scales, tensor_parallel_group = casts[0].args
     # Padding rows are zeros: they leave the max alone, and give an empty shard a max.
     into = _IntoGraph(graph)
     padded = pad_rows(into, marker.args[0], param.padded_rows)
 
-    def reduce_amax(local: fx.Node) -> fx.Node:
-        reduction = call(graph, ALL_REDUCE, local, "max", param.sharding.group_name)
-        reduction.meta[AMAX] = True  # bucket_collectives merges a bucket's
+    def reduce_amax(local: fx.Node, group_name: str) -> fx.Node:
+        reduction = call(graph, ALL_REDUCE, local, "max", group_name)
+        reduction.meta[AMAX] = True  # bucket_collectives merges a bucket's, group by group
         return call(graph, WAIT, reduction)
 
-    # torchao's own amax, scale and cast, traced: the compiled cast is the eager one's.
+    # torchao's own amax, scale and cast, traced: the compiled cast is the eager one's. A
+    # tensor-parallel piece's max is then taken over the other pieces too: the whole weight's.
     with inserting(graph, before=marker) as scale_chain:
-        local = inline_traced(graph, float8.amax, padded)
-        scale = inline_traced(graph, lambda a: float8.scale(a, dtype, round_scales), reduce_amax(local))
+        weight_amax = reduce_amax(inline_traced(graph, float8.amax, padded), param.sharding.group_name)
+        if tensor_parallel_group:
+            weight_amax = reduce_amax(weight_amax, tensor_parallel_group)
+        scale = inline_traced(graph, lambda a: float8.scale(a, dtype, round_scales), weight_amax)
     for node in scale_chain:
         # The scale's chain (its all-reduce included) is issued with the gather it feeds.
         node.meta[FLOAT8_SCALE] = True

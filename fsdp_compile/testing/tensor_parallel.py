@@ -45,17 +45,27 @@ def hf_llama_sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, layer_plan)
 
 
-def transformer_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def transformer_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, float8_styles: bool = False) -> None:
     """Megatron's split of the test transformer's dense MLPs (``fsdp_compile.testing.models``):
     ``gate`` by columns, the raw ``up`` weight its custom Function reads cut by rows as a
     column-parallel weight is, ``down`` by rows (one all-reduce of each MLP's output over
     "tp"). The MLP takes its input as a replicated DTensor and keeps the hidden activations
     DTensors, on which the Function computes. Attention stays whole: its 3 heads split evenly
-    over no tensor-parallel size but 3."""
+    over no tensor-parallel size but 3. With ``float8_styles`` the float8 linears are split by
+    torchao's styles, which cast what crosses "tp" to float8 (the row-parallel output's
+    gradient too, so its bias gets a float8-rounded gradient: not the unsharded model's);
+    torch's styles leave the float8 linears' arithmetic the unsharded model's."""
     for layer in model.layers:
         mlp = layer.mlp
         parallelize_module(mlp, tp_mesh, PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
         ))  # fmt: skip
-        parallelize_module(mlp, tp_mesh, {"gate": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
+        colwise, rowwise = _float8_styles() if float8_styles else (ColwiseParallel, RowwiseParallel)
+        parallelize_module(mlp, tp_mesh, {"gate": colwise(use_local_output=False), "down": rowwise()})
         mlp.up = nn.Parameter(distribute_tensor(mlp.up.detach(), tp_mesh, [Shard(0)]), requires_grad=mlp.up.requires_grad)
+
+
+def _float8_styles() -> tuple[type, type]:
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    return Float8ColwiseParallel, Float8RowwiseParallel
