@@ -191,11 +191,11 @@ def fully_shard(
         )
     mp_policy = mp_policy or MixedPrecision()
     marked = expert_modules(module)
-    check_tensor_parallel(module, mesh, bool(marked))
+    check_tensor_parallel(module, mesh)
     float8_weights = _float8_weights(module, strategy, marked)
     if marked:
-        dense_world = mesh.size() if mesh is not None else dist.get_world_size()
-        check_expert_parallel(marked, expert_mesh, dense_world, strategy, shard_experts)
+        dense_ranks = set(mesh.mesh.flatten().tolist()) if mesh is not None else set(range(dist.get_world_size()))
+        check_expert_parallel(marked, expert_mesh, dense_ranks, strategy, shard_experts)
     mesh = mesh if mesh is not None else _default_mesh(module)
     if mesh.device_type == "cpu":
         gather_cpu_tensors_one_work_each()  # every step's gathers on gloo (compat.py says why)

@@ -58,21 +58,32 @@ EXPERT_MESH_DIMS = ("ep", "edp")
 """Dimension names an expert mesh must carry, in this order."""
 
 
-def expert_mesh(device_type: str, ep_size: int) -> DeviceMesh:
-    """A ``("ep", "edp")`` mesh over the default process group, ``ep_size`` ranks per EP group.
+def expert_mesh(device_type: str, ep_size: int, *, dp_mesh: DeviceMesh | None = None) -> DeviceMesh:
+    """A ``("ep", "edp")`` mesh over the default process group, ``ep_size`` ranks per EP group;
+    under tensor parallelism, over the data-parallel dimension ``dp_mesh`` (``mesh["dp"]``,
+    what ``fully_shard`` gets as ``mesh``), so that the EP groups stay inside one
+    tensor-parallel rank's slice.
 
-    Each EP group is ``ep_size`` consecutive ranks (inside one node, where the all-to-all is
-    cheapest); the ``edp`` group joins the ranks holding the same experts.
+    Over the default group each EP group is ``ep_size`` consecutive ranks (inside one node,
+    where the all-to-all is cheapest); the ``edp`` group joins the ranks holding the same
+    experts.
     """
-    world = dist.get_world_size()
-    if not isinstance(ep_size, int) or ep_size < 1 or world % ep_size:
+    ranks = dp_mesh.size() if dp_mesh is not None else dist.get_world_size()
+    over = "the data-parallel mesh's size" if dp_mesh is not None else "the world size"
+    if not isinstance(ep_size, int) or ep_size < 1 or ranks % ep_size:
         raise UsageError(
-            f"expert parallel size {ep_size!r} does not divide the world size {world}; pick an "
-            f"EP size that divides it (e.g. one of {[d for d in range(1, world + 1) if world % d == 0]})."
+            f"expert parallel size {ep_size!r} does not divide {over} {ranks}; pick an "
+            f"EP size that divides it (e.g. one of {[d for d in range(1, ranks + 1) if ranks % d == 0]})."
         )
+    if dp_mesh is not None:
+        if dp_mesh.ndim != 1:
+            raise UsageError(
+                f"dp_mesh must be the 1-D data-parallel dimension (mesh['dp']), got {dp_mesh}."
+            )
+        return dp_mesh._unflatten(0, (ep_size, ranks // ep_size), EXPERT_MESH_DIMS)
     # On the CPU explicitly: a model built under `with torch.device("meta")` may be sharded there.
-    ranks = torch.arange(world, device="cpu").view(world // ep_size, ep_size).t()  # [ep, edp]
-    return DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
+    grid = torch.arange(ranks, device="cpu").view(ranks // ep_size, ep_size).t()  # [ep, edp]
+    return DeviceMesh(device_type, grid, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,11 +178,12 @@ def _num_experts(name: str, module: nn.Module) -> int:
 def check_expert_parallel(
     marked: list[tuple[str, nn.Module]],
     expert_mesh: DeviceMesh | None,
-    dense_world: int,
+    dense_ranks: set[int],
     strategy: str,
     shard_experts: bool,
 ) -> None:
-    """Every expert-parallel precondition, checked before any collective."""
+    """Every expert-parallel precondition, checked before any collective. ``dense_ranks``:
+    the data-parallel mesh's ranks, which the expert mesh must span."""
     if not marked:
         return
     name, module = marked[0]
@@ -187,11 +199,14 @@ def check_expert_parallel(
             f"expert_mesh must be a 2-D DeviceMesh with mesh_dim_names={EXPERT_MESH_DIMS}, got "
             f"{expert_mesh!r}; build it with fsdp_compile.expert_mesh(device_type, ep_size)."
         )
-    if expert_mesh.size() != dense_world:
+    expert_ranks = set(expert_mesh.mesh.flatten().tolist())
+    if expert_ranks != dense_ranks:
         raise UsageError(
-            f"expert_mesh spans {expert_mesh.size()} ranks but the data-parallel mesh "
-            f"{dense_world}; ep * edp must equal the data-parallel world size (an EP size "
-            "that divides it)."
+            f"expert_mesh spans ranks {sorted(expert_ranks)} but the data-parallel mesh "
+            f"{sorted(dense_ranks)}: the expert mesh must hold exactly the data-parallel ranks "
+            "(ep * edp of them). Under tensor parallelism build it over the data-parallel "
+            "dimension, fsdp_compile.expert_mesh(device_type, ep_size, dp_mesh=mesh['dp']), so "
+            "that no EP group crosses a tensor-parallel one."
         )
     if shard_experts and strategy not in GATHERING_STRATEGIES:
         raise UsageError(

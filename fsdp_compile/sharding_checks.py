@@ -79,7 +79,7 @@ def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
             )
 
 
-def check_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, expert_parallel: bool) -> None:
+def check_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None) -> None:
     """Parameters tensor parallelism placed (DTensors ``fully_shard`` did not make) are
     sharded over the data-parallel ``mesh`` too, as FSDP2 does: ``mesh`` (1-D, or 2-D for
     HSDP) and their 1-D mesh must be dimensions of one mesh (``mesh["dp"]`` and
@@ -93,12 +93,6 @@ def check_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, expert_par
             f"parameter {name!r} is a tensor-parallel DTensor ({list(param.placements)} on "
             f"{param.device_mesh}): pass the data-parallel dimension of the same mesh, "
             "fully_shard(model, mesh=mesh['dp']), where parallelize_module got mesh['tp']."
-        )
-    if expert_parallel:
-        raise UsageError(
-            f"parameter {name!r} is a tensor-parallel DTensor and expert_mesh is given: expert "
-            "parallelism and tensor parallelism in one model are not built yet. Shard with one "
-            "of them: leave expert_mesh out, or leave the model unsplit by parallelize_module."
         )
     for name, param in placed:
         _check_one_tensor_parallel(name, param, mesh)

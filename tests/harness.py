@@ -297,18 +297,24 @@ def with_meshes(shard_options: dict) -> dict:
 
 def shard(model, shard_options: dict):
     """``model`` sharded as ``shard_options`` say, in plain values (``with_meshes``); with
-    ``tp_size``, first split by tensor parallelism on a ``(dp, tp)`` mesh over every rank
-    (``transformer_tensor_parallel``), then sharded over "dp"."""
+    ``tp_size``, first split by tensor parallelism on a ``(dp, tp)`` mesh over every rank (a
+    dense model's MLPs by ``transformer_tensor_parallel``, a MoE's attention outputs by
+    ``attention_output_tensor_parallel``, its experts then over an EP group of the "dp"
+    ranks), then sharded over "dp"."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile import fully_shard
-    from fsdp_compile.testing.tensor_parallel import transformer_tensor_parallel
+    from fsdp_compile import expert_mesh, fully_shard
+    from fsdp_compile.testing.tensor_parallel import attention_output_tensor_parallel, transformer_tensor_parallel
 
     options = dict(shard_options)
     tp = options.pop("tp_size", None)
     if tp is not None:
         mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
-        transformer_tensor_parallel(model, mesh["tp"])
+        if "ep_size" in options:
+            attention_output_tensor_parallel(model, mesh["tp"])
+            options["expert_mesh"] = expert_mesh("cpu", options.pop("ep_size"), dp_mesh=mesh["dp"])
+        else:
+            transformer_tensor_parallel(model, mesh["tp"])
         options["mesh"] = mesh["dp"]
     return fully_shard(model, **with_meshes(options))
 

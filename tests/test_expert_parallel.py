@@ -167,7 +167,7 @@ def test_ep_size_that_does_not_divide_the_world_is_rejected():
 def test_expert_mesh_not_spanning_the_world_is_rejected():
     with fake_process_group(WORLD):
         half = DeviceMesh("cpu", torch.arange(2).view(2, 1), mesh_dim_names=("ep", "edp"))
-        with pytest.raises(UsageError, match="expert_mesh spans 2 ranks but the data-parallel mesh 4"):
+        with pytest.raises(UsageError, match=r"expert_mesh spans ranks \[0, 1\] but the data-parallel mesh \[0, 1, 2, 3\]"):
             fully_shard(Toy("experts", marked=True), expert_mesh=half)
 
 

@@ -2,7 +2,9 @@
 
 Layouts: the four strategies on a 1-D mesh of 2 ranks, the three sharded ones on a 2 x 2 HSDP
 mesh, expert parallelism EP 2 x edp 2 with and without efsdp (4 ranks), and tensor parallelism
-inside, mfsdp across: dp 2 x tp 2, the MLPs split (``transformer_tensor_parallel``). APIs: training
+inside, mfsdp across: dp 2 x tp 2, the MLPs split (``transformer_tensor_parallel``), and the
+MoE model on dp 2 x tp 2, its attention outputs split over "tp", its experts over EP 2 of the
+"dp" ranks (``harness.shard``). APIs: training
 to parity, debug dumps, ``explain``, the bench's collective census, gradient accumulation,
 both clip functions, full and sharded state dicts, DCP save/load, meta-device init,
 activation checkpointing (with dropout), the ``cuda_graph`` check and float8 (torchao) weights. Each pair is one test: it fails if the
@@ -107,6 +109,7 @@ LAYOUTS = {
     "ep": Layout(4, MOE, {"ep_size": EP}),
     "ep-efsdp": Layout(4, MOE, {"ep_size": EP, "shard_experts": True}),
     "tp": Layout(4, TP_DENSE, {"tp_size": 2}),
+    "ep-tp": Layout(4, MOE, {"ep_size": 2, "tp_size": 2}),
 }
 
 

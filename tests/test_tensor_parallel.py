@@ -29,8 +29,22 @@ from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES
 from fsdp_compile.node_meta import BUCKET, MEMBERS
 from fsdp_compile.patterns import ALL_GATHER, ALL_GATHER_OUT, ALL_REDUCE, REDUCE_SCATTER, is_block_call
 from fsdp_compile.testing.models import TransformerConfig, loss_fn
-from fsdp_compile.testing.tensor_parallel import hf_llama_sequence_parallel, transformer_tensor_parallel
-from harness import FLOAT8_CFG, build_model, fake_process_group, float8_model, make_batch, max_param_error, relative_error, spawn
+from fsdp_compile.testing.tensor_parallel import (
+    attention_output_tensor_parallel,
+    hf_llama_sequence_parallel,
+    transformer_tensor_parallel,
+)
+from harness import (
+    FLOAT8_CFG,
+    build_model,
+    fake_process_group,
+    float8_model,
+    make_batch,
+    max_param_error,
+    moe_config,
+    relative_error,
+    spawn,
+)
 
 DIM, HIDDEN, VOCAB, LAYERS, STEPS = 16, 32, 64, 2, 3
 DP, TP = 2, 2
@@ -414,17 +428,66 @@ def test_tensor_parallel_misuse_is_refused_before_any_collective(mistake):
 
 
 @pytest.mark.structure
-def test_expert_and_tensor_parallelism_in_one_model_are_refused_before_any_collective():
-    """Not built yet, so refused whatever the meshes (overlapping or not): docs/misuse.md,
-    row 47."""
-    from harness import build_model, moe_config
-
+def test_an_expert_mesh_crossing_the_tensor_parallel_groups_is_refused_before_any_collective():
+    """Expert and tensor parallelism in one model: the expert mesh must hold exactly the
+    data-parallel ranks, so no EP group crosses a tensor-parallel one. One over the whole
+    world (``expert_mesh(device, ep)``, as without tensor parallelism) is refused with the fix
+    (docs/misuse.md, row 47); the one the fix builds shards."""
     with fake_process_group(DP * TP):
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
         model = build_model(moe_config(fused=False))
-        parallelize_module(model, mesh["tp"], {"head": ColwiseParallel()})
-        with pytest.raises(UsageError, match="expert parallelism and tensor parallelism .* leave expert_mesh out"):
+        attention_output_tensor_parallel(model, mesh["tp"])
+        with pytest.raises(UsageError, match=r"spans ranks \[0, 1, 2, 3\] but the data-parallel mesh \[0, 2\].*dp_mesh=mesh\['dp'\]"):
             fully_shard(model, mesh=mesh["dp"], expert_mesh=fsdp_compile.expert_mesh("cpu", 2))
+        experts = fsdp_compile.expert_mesh("cpu", 2, dp_mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"], expert_mesh=experts)
+        assert sorted(experts.mesh.flatten().tolist()) == mesh["dp"].mesh.tolist() == [0, 2]
+    assert shard_info(model.layers[0].attn.wo._parameters["weight"]).tensor_parallel is not None
+    assert model.layers[0].mlp.experts.expert_parallel_group.size == 2
+
+
+@pytest.mark.multirank
+def test_expert_parallel_experts_beside_tensor_parallel_attention_train_at_parity():
+    """dp 2 x tp 2 on 4 gloo ranks: each attention's ``wo`` split over "tp", the experts over
+    an EP group of the data-parallel ranks (``expert_mesh(..., dp_mesh=mesh["dp"])``), the
+    rest sharded over "dp". Against the unsharded model on the global batch: stacked experts
+    uncompiled and compiled, clipped by ``fsdp_compile.clip_grad_norm_`` (the norm over the
+    dp, tp and EP groups at once); ModuleList experts compiled, the ranks together holding
+    every expert."""
+    results = spawn(_expert_and_tensor_parallel, DP * TP)
+    for result in results:
+        for case, (loss_error, (worst, name)) in result["errors"].items():
+            assert loss_error < 1e-5 and worst < 1e-5, (case, loss_error, worst, name)
+    reference_names = {n for n, _ in build_model(moe_config(fused=False)).named_parameters()}
+    assert set().union(*(r["held"] for r in results)) == reference_names
+
+
+def _expert_and_tensor_parallel(rank: int, world: int) -> dict:
+    from harness import full_parameters, global_batch, mean_over_ranks, rank_batches, train
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    errors, held = {}, set()
+    for fused, compiled, max_norm in ((True, False, MAX_NORM), (True, True, MAX_NORM), (False, True, None)):
+        cfg = moe_config(fused=fused)
+        clip = {"max_norm": max_norm} if max_norm else {}
+        reference = build_model(cfg)
+        ref_losses = train(reference, reference, lambda step: global_batch(cfg, step, DP), steps=STEPS, **clip)
+        torch._dynamo.reset()
+        model = build_model(cfg)
+        attention_output_tensor_parallel(model, mesh["tp"])
+        experts = fsdp_compile.expert_mesh("cpu", 2, dp_mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"], expert_mesh=experts)
+        forward = torch.compile(model, backend="mfsdp") if compiled else model
+        if clip:
+            clip["clip_grad_norm"] = fsdp_compile.clip_grad_norm_
+        losses = train(model, forward, rank_batches(cfg, mesh["dp"].get_local_rank()), steps=STEPS, **clip)
+        params = full_parameters(model)
+        held |= set(params) if not fused else set()
+        errors[f"fused={fused} compiled={compiled} clipped={bool(max_norm)}"] = (
+            relative_error(mean_over_ranks(losses), ref_losses),
+            max_param_error(params, {n: p.detach() for n, p in reference.named_parameters() if n in params}),
+        )
+    return {"errors": errors, "held": held}
 
 
 @pytest.mark.structure

@@ -65,6 +65,15 @@ def transformer_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, float8
         mlp.up = nn.Parameter(distribute_tensor(mlp.up.detach(), tp_mesh, [Shard(0)]), requires_grad=mlp.up.requires_grad)
 
 
+def attention_output_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Each attention's output projection ``wo`` of the test transformer split by rows over a
+    replicated input (each rank multiplies its half of the features, one all-reduce over
+    "tp"); the rest stays whole. What a MoE transformer's layers keep beside experts left to
+    expert parallelism (``wqkv`` stays whole: its fused rows do not split into heads)."""
+    for layer in model.layers:
+        parallelize_module(layer.attn, tp_mesh, {"wo": RowwiseParallel(input_layouts=Replicate())})
+
+
 def _float8_styles() -> tuple[type, type]:
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
