@@ -140,9 +140,8 @@ def test_tensor_parallel_bench_splits_both_modes_alike(tmp_path):
         (["--fake-world", "6", "--tp", "4"], "--tp 4 needs --fake-world W with W a multiple of 4"),
         (["--fake-world", "4", "--tp", "0"], "--tp must be a number of tensor-parallel ranks"),
         (["--preset", "tiny", "--fake-world", "4", "--tp", "2"], "fused wqkv"),
-        (["--preset", "hf-mixtral-tiny", "--fake-world", "4", "--tp", "2"], "expert and tensor parallelism"),
+        (["--preset", "hf-mixtral-tiny", "--fake-world", "4", "--tp", "2"], "splits its experts with styles of its own"),
         (["--fake-world", "8", "--tp", "4"], "pick a --tp that divides 2"),
-        (["--fake-world", "4", "--tp", "2", "--float8", "on"], "drop one"),
         (["--fake-world", "4", "--tp", "2", "--emulate-link", "nvlink"], "drop --emulate-link"),
     ],
 )
@@ -204,6 +203,22 @@ def test_float8_bench_shows_float8_gathers(tmp_path):
     assert by_dtype["float8_e4m3fn"] > 0 and by_dtype["float32"] > 0, by_dtype
     reference = results["fsdp2"]["loss_step0"]
     assert abs(results["mfsdp"]["loss_step0"] - reference) < 1e-4 * abs(reference), results
+
+
+@pytest.mark.structure
+def test_float8_tensor_parallel_bench_gathers_float8_over_dp(tmp_path):
+    """``--fake-world 4 --tp 2 --float8 on``: both modes split the float8 linears by
+    transformers' plan and start from the same loss; mfsdp gathers their tensor-parallel
+    pieces in float8."""
+    pytest.importorskip("torchao.float8")
+    pytest.importorskip("transformers")
+    document = _run_bench(
+        tmp_path / "bench.json", preset="hf-llama-tiny", modes=("fsdp2-compile", "mfsdp"),
+        where=("--fake-world", "4", "--tp", "2", "--float8", "on"),
+    )
+    fsdp2, mfsdp = document["results"]
+    assert mfsdp["collectives"]["all_gather_bytes_by_dtype"]["float8_e4m3fn"] > 0, mfsdp["collectives"]
+    assert abs(mfsdp["loss_step0"] - fsdp2["loss_step0"]) < 1e-4 * abs(fsdp2["loss_step0"]), (fsdp2, mfsdp)
 
 
 @pytest.mark.structure

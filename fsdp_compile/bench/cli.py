@@ -177,8 +177,6 @@ def _check_tensor_parallel(parser: argparse.ArgumentParser, bench: BenchConfig) 
     refusal = tensor_parallel_refusal(PRESETS[bench.preset], bench.tp)
     if refusal:
         parser.error(f"--tp cannot split preset {bench.preset}: {refusal}")
-    if bench.float8 == "on":
-        parser.error("--tp with --float8 on: float8 weights split by tensor parallelism are not built; drop one")
     if bench.emulate_link:
         parser.error(
             "--tp with --emulate-link: the emulated link models one group, not a dp and a tp group "

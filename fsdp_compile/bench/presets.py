@@ -135,8 +135,9 @@ def tensor_parallel_refusal(preset: Preset, tp: int) -> str | None:
         )
     if preset.family != "Llama":
         return (
-            "expert and tensor parallelism in one model are not built (fully_shard refuses "
-            "them); use an hf-llama-* preset"
+            f"transformers' plan for {preset.family} splits its experts with styles of its own "
+            "(packed_colwise, moe_tp_experts), not torch's column- and row-parallel ones the "
+            "bench applies; use an hf-llama-* preset"
         )
     kv_heads = preset.config["num_key_value_heads"]
     if kv_heads % tp:
