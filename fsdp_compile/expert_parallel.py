@@ -61,13 +61,17 @@ EXPERT_MESH_DIMS = ("ep", "edp")
 def expert_mesh(device_type: str, ep_size: int, *, dp_mesh: DeviceMesh | None = None) -> DeviceMesh:
     """A ``("ep", "edp")`` mesh over the default process group, ``ep_size`` ranks per EP group;
     under tensor parallelism, over the data-parallel dimension ``dp_mesh`` (``mesh["dp"]``,
-    what ``fully_shard`` gets as ``mesh``), so that the EP groups stay inside one
-    tensor-parallel rank's slice.
+    what ``fully_shard`` gets as ``mesh``), so that no EP group crosses a tensor-parallel one.
 
-    Over the default group each EP group is ``ep_size`` consecutive ranks (inside one node,
-    where the all-to-all is cheapest); the ``edp`` group joins the ranks holding the same
-    experts.
+    Each EP group is ``ep_size`` consecutive ranks of the default group, or of ``dp_mesh``
+    (inside one node where they fit, where the all-to-all is cheapest); the ``edp`` group
+    joins the ranks holding the same experts.
     """
+    if dp_mesh is not None and (dp_mesh.ndim != 1 or not dp_mesh.mesh_dim_names):
+        raise UsageError(
+            f"dp_mesh must be the 1-D data-parallel dimension of the mesh tensor parallelism "
+            f"splits over (mesh['dp']), got {dp_mesh}."
+        )
     ranks = dp_mesh.size() if dp_mesh is not None else dist.get_world_size()
     over = "the data-parallel mesh's size" if dp_mesh is not None else "the world size"
     if not isinstance(ep_size, int) or ep_size < 1 or ranks % ep_size:
@@ -75,15 +79,17 @@ def expert_mesh(device_type: str, ep_size: int, *, dp_mesh: DeviceMesh | None = 
             f"expert parallel size {ep_size!r} does not divide {over} {ranks}; pick an "
             f"EP size that divides it (e.g. one of {[d for d in range(1, ranks + 1) if ranks % d == 0]})."
         )
-    if dp_mesh is not None:
-        if dp_mesh.ndim != 1:
-            raise UsageError(
-                f"dp_mesh must be the 1-D data-parallel dimension (mesh['dp']), got {dp_mesh}."
-            )
-        return dp_mesh._unflatten(0, (ep_size, ranks // ep_size), EXPERT_MESH_DIMS)
-    # On the CPU explicitly: a model built under `with torch.device("meta")` may be sharded there.
-    grid = torch.arange(ranks, device="cpu").view(ranks // ep_size, ep_size).t()  # [ep, edp]
-    return DeviceMesh(device_type, grid, mesh_dim_names=EXPERT_MESH_DIMS)
+    if dp_mesh is None:
+        # On the CPU explicitly: a model built under `with torch.device("meta")` may be sharded there.
+        grid = torch.arange(ranks, device="cpu").view(ranks // ep_size, ep_size).t()  # [ep, edp]
+        return DeviceMesh(device_type, grid, mesh_dim_names=EXPERT_MESH_DIMS)
+    # Every data-parallel group of the whole mesh cut alike (each rank makes every group):
+    # [group, dp rank] -> [group, ep, edp], then this rank's group.
+    root = dp_mesh._get_root_mesh()
+    at = (root.mesh_dim_names or ()).index(dp_mesh.mesh_dim_names[0])
+    groups = root.mesh.movedim(at, -1).reshape(-1, ranks).cpu()
+    grid = groups.view(-1, ranks // ep_size, ep_size).transpose(1, 2)
+    return DeviceMesh(device_type, grid, mesh_dim_names=("dp_groups", *EXPERT_MESH_DIMS))[EXPERT_MESH_DIMS]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,9 +24,11 @@ NOTE: float8 gathers
 
     A weight tensor parallelism split (NOTE: tensor-parallel blocks, in region_body.py) is
     gathered over "dp" as this rank's piece, and the piece's max is then reduced over "tp"
-    too, so the scale is still the whole weight's, as torchao's own float8 all-gather under
-    FSDP2 + TP takes it (its max over every rank). The maxes over "tp" are a second all-reduce
-    per bucket, never merged with the one over "dp" (their groups differ); the gathered
+    too, so the scale is still the whole weight's: the unsharded float8 model's, and torchao's
+    when it splits the model over "tp" alone. (FSDP2 + torchao reduces the max over FSDP's
+    mesh only, so there each piece gets a scale of its own.) The maxes over "tp" are a second
+    all-reduce per bucket, never merged with the one over "dp" (their groups differ), which
+    asks every split to be even (``_check_even_splits``, sharding_checks.py); the gathered
     float8 piece is read as the tensor-parallel DTensor around the ``Float8TrainingTensor``.
 
     A bucket may hold float8 weights beside other parameters (their unit's norms): the
@@ -173,6 +175,7 @@ class _Float8Weight(torch.autograd.Function):
     def forward(ctx, gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype, tensor_parallel_group: str):
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
+        # The op, not the custom_op object: that one's Python __call__ would be traced too.
         data, scale = torch.ops.fsdp_compile.float8_cast.default(
             gathered, cast.dtype, cast.round_scales_to_power_of_2, tensor_parallel_group
         )

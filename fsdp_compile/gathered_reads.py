@@ -60,10 +60,11 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
     for a float8 weight, its float8 wrapper, and for a tensor-parallel one, its DTensor."""
     try:
         gathered = unshard_marker(param.to_local(), marker_args(info, param.dtype), info.accumulation)
-        read = info.tensor_parallel
+        tensor_parallel = info.tensor_parallel
         if info.float8 is not None:
-            gathered = float8_weight(gathered, info.float8, info.param_dtype, read.group_name if read else "")
-        return gathered if read is None else read.read(gathered)
+            group = tensor_parallel.group_name if tensor_parallel else ""
+            gathered = float8_weight(gathered, info.float8, info.param_dtype, group)
+        return gathered if tensor_parallel is None else tensor_parallel.read(gathered)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to
         # nn.Module.__getattr__, which would silently hand the *shard* to the caller.

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile.errors import UsageError
+from fsdp_compile.float8 import is_float8_weight
 from fsdp_compile.ops import STRATEGIES
 from fsdp_compile.records import ShardInfo, is_fully_sharded, shard_info
 
@@ -96,6 +97,29 @@ def check_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None) -> None:
         )
     for name, param in placed:
         _check_one_tensor_parallel(name, param, mesh)
+    float8 = next((n for n, p in placed if is_float8_weight(p.to_local())), None)
+    if float8 is not None:
+        _check_even_splits(placed, float8)
+
+
+def _check_even_splits(placed: list[tuple[str, DTensor]], float8: str) -> None:
+    """Float8 weights split by tensor parallelism take their scales' max over "tp" too (NOTE:
+    float8 gathers): a collective mfsdp places on the tensor-parallel group, beside the ones
+    the styles trace there, so every rank of that group must plan and order its step alike.
+    Its ranks do when every piece has one shape; an uneven split gives them other pieces,
+    other buckets and schedules (and float8 matmul shapes one rank refuses and another
+    takes)."""
+    for name, param in placed:
+        tp = param.device_mesh.size()
+        for placement in param.placements:
+            if placement.is_shard() and param.shape[placement.dim % param.ndim] % tp:
+                size = param.shape[placement.dim % param.ndim]
+                raise UsageError(
+                    f"parameter {name!r} has {size} entries on dim {placement.dim % param.ndim}, "
+                    f"which tensor parallelism splits unevenly over {tp} ranks, and {float8!r} is "
+                    "a float8 weight: float8 under tensor parallelism needs every split even. "
+                    f"Pad that dim to a multiple of {tp}, or leave float8 off."
+                )
 
 
 def _check_one_tensor_parallel(name: str, param: DTensor, mesh: DeviceMesh) -> None:

@@ -208,8 +208,9 @@ def test_float8_bench_shows_float8_gathers(tmp_path):
 @pytest.mark.structure
 def test_float8_tensor_parallel_bench_gathers_float8_over_dp(tmp_path):
     """``--fake-world 4 --tp 2 --float8 on``: both modes split the float8 linears by
-    transformers' plan and start from the same loss; mfsdp gathers their tensor-parallel
-    pieces in float8."""
+    transformers' plan and start from the same loss (on the fake group the maxes return their
+    input, so FSDP2 + torchao's max over dp only and mfsdp's over dp and tp agree here);
+    mfsdp gathers their tensor-parallel pieces in float8."""
     pytest.importorskip("torchao.float8")
     pytest.importorskip("transformers")
     document = _run_bench(

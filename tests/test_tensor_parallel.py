@@ -716,6 +716,40 @@ def test_float8_weights_under_tensor_parallelism_are_gathered_in_float8_over_dp(
     assert all(set(over_tp) == set(over_dp) & tensor_parallel_float8 for over_dp, over_tp in zip(*by_group.values()))
 
 
+@pytest.mark.structure
+def test_float8_under_tensor_parallelism_with_an_uneven_split_is_refused_before_any_collective():
+    """The head's 67 rows split over tp 2 (34 rows on one rank, 33 on the other) beside
+    float8 weights: the "tp" ranks would plan their steps apart, and the float8 maxes over
+    "tp" could pair up wrong (NOTE: float8 gathers), so every rank refuses alike. The same
+    uneven split without float8 shards."""
+    pytest.importorskip("torchao")
+    for float8 in (True, False):
+        with fake_process_group(DP * TP):
+            mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+            model = float8_model(FLOAT8_CFG) if float8 else build_model(FLOAT8_CFG)
+            transformer_tensor_parallel(model, mesh["tp"])
+            parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
+            if float8:
+                says = "'head.weight' has 67 entries on dim 0, which tensor parallelism splits unevenly over 2 ranks, and 'layers.0.mlp.gate.weight' is a float8 weight"
+                with pytest.raises(UsageError, match=says):
+                    fully_shard(model, mesh=mesh["dp"])
+            else:
+                fully_shard(model, mesh=mesh["dp"])
+
+
+@pytest.mark.structure
+def test_expert_mesh_over_dp_puts_consecutive_dp_ranks_in_one_ep_group():
+    """dp 4 x tp 2 (8 ranks), EP 2: each EP group is two consecutive ranks of this rank's
+    data-parallel group (inside one node where they fit), as ``expert_mesh`` groups the
+    world's consecutive ranks without tensor parallelism; no group crosses "tp"."""
+    for rank, ep, edp in ((0, [0, 2], [0, 4]), (5, [5, 7], [1, 5])):
+        with fake_process_group(8, rank=rank):
+            mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+            experts = fsdp_compile.expert_mesh("cpu", 2, dp_mesh=mesh["dp"])
+            assert experts.mesh_dim_names == ("ep", "edp")
+            assert (experts["ep"].mesh.tolist(), experts["edp"].mesh.tolist()) == (ep, edp)
+
+
 @pytest.mark.multirank
 def test_float8_weights_under_tensor_parallelism_give_the_gradients_of_the_model_without_mfsdp():
     """On 4 gloo ranks (dp 2 x tp 2), one step on one batch: with torch's styles the float8
