@@ -110,16 +110,21 @@ def _check_even_splits(placed: list[tuple[str, DTensor]], float8: str) -> None:
     other buckets and schedules (and float8 matmul shapes one rank refuses and another
     takes)."""
     for name, param in placed:
-        tp = param.device_mesh.size()
-        for placement in param.placements:
-            if placement.is_shard() and param.shape[placement.dim % param.ndim] % tp:
-                size = param.shape[placement.dim % param.ndim]
-                raise UsageError(
-                    f"parameter {name!r} has {size} entries on dim {placement.dim % param.ndim}, "
-                    f"which tensor parallelism splits unevenly over {tp} ranks, and {float8!r} is "
-                    "a float8 weight: float8 under tensor parallelism needs every split even. "
-                    f"Pad that dim to a multiple of {tp}, or leave float8 off."
-                )
+        for dim in _unevenly_split_dims(param):
+            tp = param.device_mesh.size()
+            raise UsageError(
+                f"parameter {name!r} has {param.shape[dim]} entries on dim {dim}, which tensor "
+                f"parallelism splits unevenly over {tp} ranks, and {float8!r} is a float8 weight: "
+                "float8 under tensor parallelism needs every split even. "
+                f"Pad that dim to a multiple of {tp}, or leave float8 off."
+            )
+
+
+def _unevenly_split_dims(param: DTensor) -> list[int]:
+    """The dims of a tensor-parallel parameter its 1-D mesh splits into pieces of unequal size."""
+    tp = param.device_mesh.size()
+    dims = [p.dim % param.ndim for p in param.placements if p.is_shard()]
+    return [d for d in dims if param.shape[d] % tp]
 
 
 def _check_one_tensor_parallel(name: str, param: DTensor, mesh: DeviceMesh) -> None:
@@ -146,12 +151,11 @@ def _check_one_tensor_parallel(name: str, param: DTensor, mesh: DeviceMesh) -> N
     # torch's _StridedShard describes rows cut by tensor parallelism unevenly, then over three
     # or more data-parallel ranks, other than the rows each rank holds (FSDP2 has the same
     # limit): a checkpoint or a full state dict would land rows at the wrong offsets.
-    tp_rows = [tp_mesh.size() for p in param.placements if p.is_shard(0)]
     dp_ranks = mesh.size(mesh.ndim - 1)
-    if tp_rows and param.shape[0] % tp_rows[0] and dp_ranks >= 3:
+    if 0 in _unevenly_split_dims(param) and dp_ranks >= 3:
         raise UsageError(
             f"parameter {name!r} has {param.shape[0]} rows, which tensor parallelism cuts unevenly "
-            f"over {tp_rows[0]} ranks; sharded again over {dp_ranks} data-parallel ranks its DTensor "
+            f"over {tp_mesh.size()} ranks; sharded again over {dp_ranks} data-parallel ranks its DTensor "
             "layout (_StridedShard) would not say which rows each rank holds, and checkpoints would "
             "misplace them. Make dim 0 divisible by the tensor-parallel size (pad the vocabulary), "
             "or use at most 2 data-parallel ranks per shard group."
