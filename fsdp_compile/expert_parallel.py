@@ -60,17 +60,19 @@ EXPERT_MESH_DIMS = ("ep", "edp")
 
 def expert_mesh(device_type: str, ep_size: int, *, dp_mesh: DeviceMesh | None = None) -> DeviceMesh:
     """A ``("ep", "edp")`` mesh over the default process group, ``ep_size`` ranks per EP group;
-    under tensor parallelism, over the data-parallel dimension ``dp_mesh`` (``mesh["dp"]``,
-    what ``fully_shard`` gets as ``mesh``), so that no EP group crosses a tensor-parallel one.
+    under tensor parallelism, over the data-parallel ranks ``dp_mesh`` (what ``fully_shard``
+    gets as ``mesh``: ``mesh["dp"]``, or ``mesh["replicate", "shard"]`` for HSDP), so that no
+    EP group crosses a tensor-parallel one.
 
     Each EP group is ``ep_size`` consecutive ranks of the default group, or of ``dp_mesh``
-    (inside one node where they fit, where the all-to-all is cheapest); the ``edp`` group
-    joins the ranks holding the same experts.
+    read in row-major order, as HSDP numbers them without tensor parallelism (inside one node
+    where they fit, where the all-to-all is cheapest); the ``edp`` group joins the ranks
+    holding the same experts.
     """
-    if dp_mesh is not None and (dp_mesh.ndim != 1 or not dp_mesh.mesh_dim_names):
+    if dp_mesh is not None and (dp_mesh.ndim not in (1, 2) or not dp_mesh.mesh_dim_names):
         raise UsageError(
-            f"dp_mesh must be the 1-D data-parallel dimension of the mesh tensor parallelism "
-            f"splits over (mesh['dp']), got {dp_mesh}."
+            f"dp_mesh must be the data-parallel dimensions of the mesh tensor parallelism "
+            f"splits over (mesh['dp'], or mesh['replicate', 'shard'] for HSDP), got {dp_mesh}."
         )
     ranks = dp_mesh.size() if dp_mesh is not None else dist.get_world_size()
     over = "the data-parallel mesh's size" if dp_mesh is not None else "the world size"
@@ -86,8 +88,10 @@ def expert_mesh(device_type: str, ep_size: int, *, dp_mesh: DeviceMesh | None = 
     # Every data-parallel group of the whole mesh cut alike (each rank makes every group):
     # [group, dp rank] -> [group, ep, edp], then this rank's group.
     root = dp_mesh._get_root_mesh()
-    at = (root.mesh_dim_names or ()).index(dp_mesh.mesh_dim_names[0])
-    groups = root.mesh.movedim(at, -1).reshape(-1, ranks).cpu()
+    names = root.mesh_dim_names or ()
+    data = [names.index(name) for name in dp_mesh.mesh_dim_names]
+    others = [dim for dim in range(root.ndim) if dim not in data]
+    groups = root.mesh.permute(*others, *data).reshape(-1, ranks).cpu()
     grid = groups.view(-1, ranks // ep_size, ep_size).transpose(1, 2)
     return DeviceMesh(device_type, grid, mesh_dim_names=("dp_groups", *EXPERT_MESH_DIMS))[EXPERT_MESH_DIMS]
 

@@ -300,7 +300,7 @@ def shard(model, shard_options: dict):
     ``tp_size``, first split by tensor parallelism on a ``(dp, tp)`` mesh over every rank (a
     dense model's MLPs by ``transformer_tensor_parallel``, a MoE's attention outputs by
     ``attention_output_tensor_parallel``, its experts then over an EP group of the "dp"
-    ranks), then sharded over "dp"."""
+    ranks), then sharded over "dp"; with ``mesh_shape`` too, HSDP over ``(replicate, dp)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compile import expert_mesh, fully_shard
@@ -309,13 +309,16 @@ def shard(model, shard_options: dict):
     options = dict(shard_options)
     tp = options.pop("tp_size", None)
     if tp is not None:
-        mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+        data_shape = options.pop("mesh_shape", (dist.get_world_size() // tp,))
+        data_names = ("replicate", "dp")[-len(data_shape):]
+        mesh = init_device_mesh("cpu", (*data_shape, tp), mesh_dim_names=(*data_names, "tp"))
+        data_mesh = mesh[data_names]
         if "ep_size" in options:
             attention_output_tensor_parallel(model, mesh["tp"])
-            options["expert_mesh"] = expert_mesh("cpu", options.pop("ep_size"), dp_mesh=mesh["dp"])
+            options["expert_mesh"] = expert_mesh("cpu", options.pop("ep_size"), dp_mesh=data_mesh)
         else:
             transformer_tensor_parallel(model, mesh["tp"])
-        options["mesh"] = mesh["dp"]
+        options["mesh"] = data_mesh
     return fully_shard(model, **with_meshes(options))
 
 

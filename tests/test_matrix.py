@@ -4,7 +4,8 @@ Layouts: the four strategies on a 1-D mesh of 2 ranks, the three sharded ones on
 mesh, expert parallelism EP 2 x edp 2 with and without efsdp (4 ranks), and tensor parallelism
 inside, mfsdp across: dp 2 x tp 2, the MLPs split (``transformer_tensor_parallel``), and the
 MoE model on dp 2 x tp 2, its attention outputs split over "tp", its experts over EP 2 of the
-"dp" ranks (``harness.shard``). APIs: training
+"dp" ranks (``harness.shard``), and the same on HSDP, replicate 2 x dp 2 x tp 2 (8 ranks).
+APIs: training
 to parity, debug dumps, ``explain``, the bench's collective census, gradient accumulation,
 both clip functions, full and sharded state dicts, DCP save/load, meta-device init,
 activation checkpointing (with dropout), the ``cuda_graph`` check and float8 (torchao) weights. Each pair is one test: it fails if the
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.profiler import ProfilerActivity, profile
 
 import fsdp_compile
@@ -110,6 +112,7 @@ LAYOUTS = {
     "ep-efsdp": Layout(4, MOE, {"ep_size": EP, "shard_experts": True}),
     "tp": Layout(4, TP_DENSE, {"tp_size": 2}),
     "ep-tp": Layout(4, MOE, {"ep_size": 2, "tp_size": 2}),
+    "hsdp-ep-tp": Layout(8, MOE, {"ep_size": 2, "tp_size": 2, "mesh_shape": (2, 2)}),
 }
 
 
@@ -361,14 +364,25 @@ def _float8(ctx: RankContext) -> dict:
         torch._dynamo.reset()
         model = ctx.shard(float8_model(cfg))
         forward = ctx.compiled(model)[0] if compiled else model
-        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, ctx.data_rank), steps=STEPS))
-        runs[compiled] = losses, full_parameters(model)
-    (losses, params), (eager_losses, eager_params) = runs[True], runs[False]
+        first_grads: dict[str, torch.Tensor] = {}
+
+        def keep_first_grads(optimizer, args, kwargs, model=model, grads=first_grads) -> None:
+            if not grads:  # a collective, at the first step every rank takes
+                grads.update({n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None})
+
+        hook = register_optimizer_step_pre_hook(keep_first_grads)
+        try:
+            losses = mean_over_ranks(train(model, forward, rank_batches(cfg, ctx.data_rank), steps=STEPS))
+        finally:
+            hook.remove()
+        runs[compiled] = losses, full_parameters(model), first_grads
+    (losses, params, grads), (eager_losses, eager_params, eager_grads) = runs[True], runs[False]
     return {
         "loss_error": relative_error(losses, ref_losses),
         "param_error": max_param_error(params, {n: ref_params[n] for n in params}),
         "eager_loss_error": relative_error(losses, eager_losses),
         "eager_param_error": max_param_error(params, eager_params),
+        "eager_grad_error": max_param_error(grads, eager_grads),
     }
 
 
@@ -471,7 +485,14 @@ def _check(api: str, layout: Layout, r: dict) -> None:
             # same order, are the tight reference (measured 1.4e-7 on 4 ranks, 6.8e-6 on HSDP,
             # where bucketed and per-parameter reductions may still round apart: 5e-5, the
             # accumulation check's HSDP bound); the one-process model checks the losses.
-            assert _close(r, "eager_loss_error", "eager_param_error", bound=5e-5), r
+            # HSDP with experts rounds apart enough for flips after two steps (the losses of
+            # the first two agree bitwise; parameters after three measured 1.9e-4 beside EP,
+            # 1.3e-3 beside EP and TP): there the first step's gradients, from equal weights
+            # (6e-8 measured), are the tight check.
+            assert _close(r, "eager_grad_error", bound=1e-5), r
+            assert _close(r, "eager_loss_error", bound=5e-5), r
+            if not (layout.expert_parallel and "mesh_shape" in layout.options):
+                assert _close(r, "eager_param_error", bound=5e-5), r
             assert _close(r, "loss_error", bound=2e-3), r
     else:
         raise AssertionError(f"no check for {api}")
@@ -512,11 +533,12 @@ def test_every_layout_works_with_every_api(layout_name, api):
 @pytest.mark.structure
 def test_the_matrix_covers_every_strategy():
     """The layouts are every strategy (1-D), every sharded strategy on HSDP, expert
-    parallelism with and without efsdp, and tensor parallelism: a new strategy cannot skip
-    the matrix."""
+    parallelism with and without efsdp, tensor parallelism, and the three beside HSDP: a new
+    strategy cannot skip the matrix."""
     strategies = {layout.options.get("strategy", "optim_grads_params") for layout in LAYOUTS.values()}
     assert strategies == set(STRATEGIES)
-    hsdp = {layout.options["strategy"] for layout in LAYOUTS.values() if "mesh_shape" in layout.options}
+    hsdp = {layout.options.get("strategy", "optim_grads_params") for layout in LAYOUTS.values() if "mesh_shape" in layout.options}
     assert hsdp == set(GATHERING_STRATEGIES)
     assert {layout.options.get("shard_experts", False) for layout in LAYOUTS.values() if layout.expert_parallel} == {False, True}
     assert any(layout.tensor_parallel for layout in LAYOUTS.values())
+    assert any(layout.tensor_parallel and layout.expert_parallel and "mesh_shape" in layout.options for layout in LAYOUTS.values())

@@ -741,13 +741,16 @@ def test_float8_under_tensor_parallelism_with_an_uneven_split_is_refused_before_
 def test_expert_mesh_over_dp_puts_consecutive_dp_ranks_in_one_ep_group():
     """dp 4 x tp 2 (8 ranks), EP 2: each EP group is two consecutive ranks of this rank's
     data-parallel group (inside one node where they fit), as ``expert_mesh`` groups the
-    world's consecutive ranks without tensor parallelism; no group crosses "tp"."""
+    world's consecutive ranks without tensor parallelism; no group crosses "tp". HSDP's
+    replicate 2 x dp 2 x tp 2 reads its two data-parallel dimensions in row-major order: the
+    same ranks, the same groups."""
     for rank, ep, edp in ((0, [0, 2], [0, 4]), (5, [5, 7], [1, 5])):
-        with fake_process_group(8, rank=rank):
-            mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
-            experts = fsdp_compile.expert_mesh("cpu", 2, dp_mesh=mesh["dp"])
-            assert experts.mesh_dim_names == ("ep", "edp")
-            assert (experts["ep"].mesh.tolist(), experts["edp"].mesh.tolist()) == (ep, edp)
+        for shape, names, data in (((4, 2), ("dp", "tp"), "dp"), ((2, 2, 2), ("replicate", "dp", "tp"), ("replicate", "dp"))):
+            with fake_process_group(8, rank=rank):
+                mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+                experts = fsdp_compile.expert_mesh("cpu", 2, dp_mesh=mesh[data])
+                assert experts.mesh_dim_names == ("ep", "edp")
+                assert (experts["ep"].mesh.tolist(), experts["edp"].mesh.tolist()) == (ep, edp), shape
 
 
 @pytest.mark.multirank
