@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import tempfile
 import types
+import unittest.mock
 import warnings
 
 import pytest
@@ -46,6 +47,17 @@ def _config(family: str, **overrides):
             **common, **llama_like, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
             output_router_logits=True, router_aux_loss_coef=0.1,
         ),
+        "mistral_sliding": lambda: transformers.MistralConfig(**common, **llama_like, sliding_window=SEQ // 2),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**common, **llama_like, head_dim=8, sliding_window=SEQ // 2),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **common, **{**llama_like, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+            kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        ),
+        "bert": lambda: transformers.BertConfig(
+            vocab_size=VOCAB, max_position_embeddings=2 * SEQ, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        ),
         "gpt2": lambda: transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=4,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -66,6 +78,8 @@ def _build(family: str, **overrides):
     config = _config(family, **overrides)
     if family == "t5":
         return transformers.T5ForConditionalGeneration(config).train()
+    if family == "bert":
+        return transformers.BertForMaskedLM(config).train()
     model = transformers.AutoModelForCausalLM.from_config(config).train()
     if family == "gpt2":
         # GPT-2's class names no loss type: HF says so through its logger, a graph break.
@@ -167,6 +181,36 @@ def test_sdpa_takes_hf_eager_fast_path(family, use_cache, checkpointing):
     assert calls and all(
         not c["mask"] and c["causal"] and c["gqa"] and c["kv_heads"] * 2 == c["q_heads"] for c in calls
     ), calls
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("family", ["mistral_sliding", "gemma3", "deepseek_v3", "bert"])
+def test_sdpa_calls_compiled_are_the_eager_ones(family):
+    """Where eager HF needs a mask, the compiled step keeps it; where it needs none, none:
+    a sliding window shorter than the sequence (Mistral; Gemma 3's alternating sliding and
+    global layers) is masked in eager and compiled alike, DeepSeek-V3's latent attention is
+    causal without a mask, and BERT's bidirectional attention stays non-causal. Each SDPA
+    call's mask, causal and grouped-query flags and key-value heads (a body traces once the
+    call its layers make each)."""
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    eager = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        eager.append({"mask": attn_mask is not None, "causal": is_causal, "gqa": enable_gqa, "kv_heads": key.shape[1], "q_heads": query.shape[1]})
+        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    with unittest.mock.patch("torch.nn.functional.scaled_dot_product_attention", recorded):
+        _build(family)(**_inputs(family, tokens)).loss.backward()
+    with fake_process_group(8):
+        model = fully_shard(_build(family))
+        backend = MfsdpBackend(compiler="eager")
+        torch.compile(model, backend=backend)(**_inputs(family, tokens)).loss.backward()
+
+    def kinds(calls: list[dict]) -> set[tuple]:
+        return {tuple(sorted({**c, "causal": bool(c["causal"]), "gqa": bool(c["gqa"])}.items())) for c in calls}
+
+    assert eager and kinds(_sdpa_calls(backend)) == kinds(eager), (_sdpa_calls(backend), eager)
 
 
 @pytest.mark.structure
@@ -501,8 +545,8 @@ def _after_training(model, reference, rank: int, params: dict) -> dict:
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "family, padded",
-    [("llama", False), ("llama", True), ("gpt2", False), ("t5", False), ("qwen2_moe", False), ("qwen3_moe", False),
-     ("mixtral", False)],
+    [("llama", False), ("llama", True), ("gemma3", True), ("gpt2", False), ("t5", False), ("qwen2_moe", False),
+     ("qwen3_moe", False), ("mixtral", False)],
 )
 def test_hf_habits_train_at_parity(family, padded):
     """Two gloo ranks, the eager runner: HF's default cache, a padded batch, MoE router losses
