@@ -27,9 +27,11 @@ NOTE: HF's value-dependent decisions, made before the trace
       Given only for a single text model (the model and its base model): a composite model
       (vision-language, encoder-decoder) makes position ids of its own, which the answer
       would not describe;
-    - where no padding mask is left, HF's causal-skip check answers from the shapes, as it
-      does eagerly (``masking_utils._ignore_causal_mask_sdpa``): before 5.24 it refuses every
-      skip under tracing, mask or not.
+    - where no padding mask is left, HF's skip checks answer from the shapes, as they do
+      eagerly (``masking_utils._ignore_causal_mask_sdpa``, and for bidirectional attention,
+      BERT's or an encoder's, ``_ignore_bidirectional_mask_sdpa``): before transformers 5.24
+      the causal one refuses every skip under tracing, and on torch 2.11 both do, since
+      Dynamo traces ``torch.compiler.is_exporting()`` as True there.
 
     A padded mask or packed positions go through untouched: HF builds the mask from them in
     the graph, exactly as before, and a step with padding compiles a graph of its own. A
@@ -176,10 +178,11 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
     if original is not None and _single_text_model(model) and (positions is None or not unread and _unpacked(positions)):
         masking.find_packed_sequence_indices = _never_packed
         held["find_packed_sequence_indices"] = original
-    skip = getattr(masking, "_ignore_causal_mask_sdpa", None)
-    if skip is not None and _answered_skip(skip) is not None:
-        masking._ignore_causal_mask_sdpa = _answered_skip(skip)
-        held["_ignore_causal_mask_sdpa"] = skip
+    for name, answering in (("_ignore_causal_mask_sdpa", _answered_skip), ("_ignore_bidirectional_mask_sdpa", _answered_bidirectional_skip)):
+        skip = getattr(masking, name, None)
+        if skip is not None and answering(skip) is not None:
+            setattr(masking, name, answering(skip))
+            held[name] = skip
     return bound, held
 
 
@@ -236,6 +239,24 @@ def _answered_skip(original: Any) -> Any:
         if local is not None and kv_length >= local:
             return False
         return q_length == 1 or kv_length == q_length or q_offset == 0
+
+    return answered
+
+
+@functools.cache
+def _answered_bidirectional_skip(original: Any) -> Any:
+    """HF's ``_ignore_bidirectional_mask_sdpa`` answering, where no padding mask is left, from
+    the shapes alone as it does eagerly (no bias unless a local window is shorter than the
+    keys); with a padding mask, HF's own answer. One function per original, as
+    ``_answered_skip``; None for a signature this does not know."""
+    names = list(inspect.signature(original).parameters)
+    if names != ["padding_mask", "kv_length", "local_attention_size"]:
+        return None
+
+    def answered(padding_mask: Any, kv_length: int, local_attention_size: int | None = None) -> bool:
+        if padding_mask is not None:
+            return original(padding_mask, kv_length, local_attention_size)
+        return local_attention_size is None or kv_length < local_attention_size
 
     return answered
 
@@ -320,129 +341,3 @@ def _install_output_hooks(model: nn.Module, arguments: dict) -> bool:
             asked = True
             install(module)  # once: HF marks the model
     return asked
-
-
-# ---- caches (NOTE: HF caches in a repeated block, in fsdp_compile/side_outputs.py) ---------------
-
-_SPEC = "mfsdp:cache-stand-in"
-
-
-def _cache_utils() -> types.ModuleType | None:
-    return _module("transformers.cache_utils")
-
-
-def is_cache(value: object) -> bool:
-    caches = _cache_utils()
-    return caches is not None and isinstance(value, caches.Cache)
-
-
-def cache_empty_at(cache: Any, layers: tuple[int, ...]) -> bool:
-    """Whether ``cache`` is one the stand-in can take the place of (HF's ``DynamicCache``, or an
-    encoder-decoder pair of them) holding nothing yet for ``layers`` (traced in the step: HF's
-    own accessors, whose answers Dynamo guards on)."""
-    caches = _cache_utils()
-    # Exactly HF's classes: a subclass has methods of its own (MiniMax's linear-attention
-    # cache), which the stand-in does not answer.
-    if type(cache) is caches.EncoderDecoderCache:
-        parts = (cache.self_attention_cache, cache.cross_attention_cache)
-        return all(type(part) is caches.DynamicCache for part in parts) and all(
-            cache.get_seq_length(layer) == 0 and not cache.is_updated.get(layer) for layer in layers
-        )
-    return type(cache) is caches.DynamicCache and all(cache.get_seq_length(layer) == 0 for layer in layers)
-
-
-def stand_in_spec(cache: Any, layer: int) -> tuple:
-    """A constant naming the stand-in for ``cache`` and the block's layer (its fake run is
-    the block's own, and its writes go to that layer)."""
-    kind = "encoder_decoder" if isinstance(cache, _cache_utils().EncoderDecoderCache) else "dynamic"
-    return (_SPEC, kind, layer)
-
-
-def is_stand_in_spec(value: object) -> bool:
-    return type(value) is tuple and len(value) == 3 and value[0] == _SPEC
-
-
-def spec_layer(spec: tuple) -> int:
-    return spec[2]
-
-
-def stand_in(spec: tuple) -> Any:
-    """A fresh stand-in for the spec's cache: it returns what it is given and records it."""
-    dynamic, encoder_decoder = _stand_in_classes()
-    return encoder_decoder() if spec[1] == "encoder_decoder" else dynamic()
-
-
-def cache_writes(stand_in: Any) -> list[tuple[str, tuple]]:
-    """What a stand-in recorded, as (part of the cache, values) in the order to make them:
-    ``""`` a write of (keys, values), ``"self"`` / ``"cross"`` one into an encoder-decoder
-    cache's part, ``"updated"`` its cross-attention marked filled. At the block's one layer:
-    the stand-in does not record the layer it is told, which would make Dynamo specialise the
-    body on it (NOTE: HF caches in a repeated block)."""
-    _, encoder_decoder = _stand_in_classes()
-    if isinstance(stand_in, encoder_decoder):
-        return [
-            *(("self", kv) for kv in stand_in.self_attention_cache.writes),
-            *(("cross", kv) for kv in stand_in.cross_attention_cache.writes),
-            *(("updated", ()) for _ in range(stand_in.is_updated.marked)),
-        ]
-    return [("", kv) for kv in stand_in.writes]
-
-
-def replay_cache_write(cache: Any, part: str, layer: int, values: tuple) -> None:
-    """Make a recorded write on the user's cache (traced in the step)."""
-    if part == "updated":
-        cache.is_updated[layer] = True
-    elif part == "":
-        cache.update(*values, layer)
-    else:
-        (cache.self_attention_cache if part == "self" else cache.cross_attention_cache).update(*values, layer)
-
-
-@functools.cache
-def _stand_in_classes() -> tuple[type, type]:
-    caches = _cache_utils()
-
-    class DynamicStandIn(caches.DynamicCache):
-        """Empty, and stays so: ``update`` returns the states it is given (what an empty layer
-        returns) and records them; it never reads the layer, so a body traced for one layer
-        serves the others."""
-
-        def __init__(self) -> None:  # noqa: D107 (nothing of DynamicCache's state is used)
-            self.writes: list[tuple] = []
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            self.writes.append((key_states, value_states))
-            return key_states, value_states
-
-        def get_seq_length(self, layer_idx: int = 0) -> int:
-            return 0
-
-    class NothingUpdated(dict):
-        """An encoder-decoder cache's ``is_updated``: nothing filled yet; what is marked is
-        recorded."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.marked = 0
-
-        def get(self, layer, default=None):
-            return False
-
-        def __getitem__(self, layer):
-            return False
-
-        def __setitem__(self, layer, value):
-            self.marked += 1
-
-    class EncoderDecoderStandIn(caches.EncoderDecoderCache):
-        """Two recording stand-ins, for self- and cross-attention."""
-
-        def __init__(self) -> None:  # noqa: D107
-            self.self_attention_cache = DynamicStandIn()
-            self.cross_attention_cache = DynamicStandIn()
-            self.is_updated = NothingUpdated()
-
-        def get_seq_length(self, layer_idx: int = 0) -> int:
-            return 0
-
-    return DynamicStandIn, EncoderDecoderStandIn

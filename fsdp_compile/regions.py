@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile import hf
+from fsdp_compile import hf_caches
 from fsdp_compile.backend import compiling_backend
 from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED
 from fsdp_compile.block_record import BlockCall, FlatCopy, register_call
@@ -100,7 +100,7 @@ def _region_forward(self: nn.Module, *args, **kwargs):
         leaves = leaves[:at] + values[at] + leaves[at + 1 :]
     is_tensor = tuple(map(isinstance, leaves, itertools.repeat(torch.Tensor)))
     given, stood_in = leaves, True
-    if any(map(hf.is_cache, leaves)):  # see NOTE: HF caches in a repeated block
+    if any(map(hf_caches.is_cache, leaves)):  # see NOTE: HF caches in a repeated block
         leaves, stood_in = stand_in_leaves(leaves, layers_of(self._mfsdp_region_key))
     layout, tensor_at, constant_at = call_layout(len(args), tuple(kwargs), len(gathered), opened, sizes, is_tensor)
     constants = tuple(map(operator.getitem, itertools.repeat(leaves), constant_at))
@@ -173,7 +173,7 @@ _PASSABLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 def _passable(value: object) -> bool:
     """A constant a block's call can carry to its body (traced by Dynamo)."""
-    return type(value) in _PASSABLE or hf.is_stand_in_spec(value)
+    return type(value) in _PASSABLE or hf_caches.is_stand_in_spec(value)
 
 
 @torch._dynamo.assume_constant_result

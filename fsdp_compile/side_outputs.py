@@ -25,8 +25,8 @@ NOTE: HF caches in a repeated block
     values in it and attends over what it returns. A cache is no tensor, so no op takes it.
     While the cache holds nothing for the block's layers (training, the first step of
     generation), its update returns the states it was given; the body then gets a stand-in
-    that does the same and records each write (fsdp_compile/hf.py), the writes leave the op
-    as outputs, and the step makes them on the user's cache (``replay``), at the block's layer
+    that does the same and records each write (fsdp_compile/hf_caches.py), the writes leave
+    the op as outputs, and the step makes them on the user's cache (``replay``), at the block's layer
     (HF's ``layer_idx`` of its attention; a block naming none, or several, runs inline). The
     stand-in never reads the layer it is told: Dynamo would specialise the body on it, one
     compile per layer. A cache that already holds states for the block (generation after its
@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from fsdp_compile import hf
+from fsdp_compile import hf_caches
 from fsdp_compile.errors import CompileUsageError
 
 __all__ = [
@@ -170,7 +170,7 @@ def flatten(side: SideChannel, stand_ins: dict[int, Any]) -> tuple[tuple, list[T
     for parts, kind, args, kwargs, output in side.records:
         form.append(("hook", parts, kind, _encode(args, tensors), _encode(kwargs, tensors), _encode(output, tensors)))
     for at, (stand_in, layer) in stand_ins.items():
-        for part, values in hf.cache_writes(stand_in):
+        for part, values in hf_caches.cache_writes(stand_in):
             form.append(("cache", at, part, layer, _encode(values, tensors)))
     return tuple(form), tensors
 
@@ -183,7 +183,7 @@ def _encode(value: Any, tensors: list[Tensor]) -> tuple:
         return (type(value).__name__, tuple(_encode(v, tensors) for v in value))
     if type(value) is dict:
         return ("dict", tuple((k, _encode(v, tensors)) for k, v in value.items()))
-    if hf.is_cache(value):
+    if hf_caches.is_cache(value):
         raise CompileUsageError(
             "a hook inside a repeated block takes a cache among its keyword inputs: it is called "
             "after the block (NOTE: hooks inside a repeated block), when the cache is the "
@@ -217,7 +217,7 @@ def replay(block: nn.Module, form: tuple, tensors: list[Tensor], leaves: tuple) 
             _call_hooks(module, kind, _decode(args, values), _decode(kwargs, values), _decode(output, values))
         else:
             _, at, part, layer, written = record
-            hf.replay_cache_write(leaves[at], part, layer, _decode(written, values))
+            hf_caches.replay_cache_write(leaves[at], part, layer, _decode(written, values))
 
 
 def _call_hooks(module: nn.Module, kind: str, args: tuple, kwargs: dict | None, output: Any) -> None:
@@ -252,10 +252,10 @@ def stand_in_leaves(leaves: tuple, block_layers: tuple[int, ...]) -> tuple[tuple
         return leaves, False
     replaced = []
     for leaf in leaves:
-        if hf.is_cache(leaf):
-            if not hf.cache_empty_at(leaf, block_layers):
+        if hf_caches.is_cache(leaf):
+            if not hf_caches.cache_empty_at(leaf, block_layers):
                 return leaves, False
-            replaced.append(hf.stand_in_spec(leaf, block_layers[0]))
+            replaced.append(hf_caches.stand_in_spec(leaf, block_layers[0]))
         else:
             replaced.append(leaf)
     return tuple(replaced), True
@@ -265,7 +265,7 @@ def stand_ins_of(constants: tuple[tuple, ...]) -> dict[int, tuple[Any, int]]:
     """A fresh stand-in, with the layer its writes go to, for each leaf whose constant is a
     stand-in spec, by leaf position."""
     return {
-        at: (hf.stand_in(c[0]), hf.spec_layer(c[0])) for at, c in enumerate(constants) if c and hf.is_stand_in_spec(c[0])
+        at: (hf_caches.stand_in(c[0]), hf_caches.spec_layer(c[0])) for at, c in enumerate(constants) if c and hf_caches.is_stand_in_spec(c[0])
     }
 
 
