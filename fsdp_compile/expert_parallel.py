@@ -89,6 +89,12 @@ def expert_mesh(device_type: str, ep_size: int, *, dp_mesh: DeviceMesh | None = 
     # [group, dp rank] -> [group, ep, edp], then this rank's group.
     root = dp_mesh._get_root_mesh()
     names = root.mesh_dim_names or ()
+    if not set(dp_mesh.mesh_dim_names) <= set(names):
+        raise UsageError(
+            f"dp_mesh {dp_mesh.mesh_dim_names} is not made of dimensions of its mesh {names} (a "
+            "flattened one?): pass the data-parallel dimensions themselves, e.g. "
+            "mesh['replicate', 'dp']."
+        )
     data = [names.index(name) for name in dp_mesh.mesh_dim_names]
     others = [dim for dim in range(root.ndim) if dim not in data]
     groups = root.mesh.permute(*others, *data).reshape(-1, ranks).cpu()

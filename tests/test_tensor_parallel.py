@@ -743,7 +743,7 @@ def test_expert_mesh_over_dp_puts_consecutive_dp_ranks_in_one_ep_group():
     data-parallel group (inside one node where they fit), as ``expert_mesh`` groups the
     world's consecutive ranks without tensor parallelism; no group crosses "tp". HSDP's
     replicate 2 x dp 2 x tp 2 reads its two data-parallel dimensions in row-major order: the
-    same ranks, the same groups."""
+    same ranks, the same groups (flattened into one dimension, they are refused)."""
     for rank, ep, edp in ((0, [0, 2], [0, 4]), (5, [5, 7], [1, 5])):
         for shape, names, data in (((4, 2), ("dp", "tp"), "dp"), ((2, 2, 2), ("replicate", "dp", "tp"), ("replicate", "dp"))):
             with fake_process_group(8, rank=rank):
@@ -751,6 +751,9 @@ def test_expert_mesh_over_dp_puts_consecutive_dp_ranks_in_one_ep_group():
                 experts = fsdp_compile.expert_mesh("cpu", 2, dp_mesh=mesh[data])
                 assert experts.mesh_dim_names == ("ep", "edp")
                 assert (experts["ep"].mesh.tolist(), experts["edp"].mesh.tolist()) == (ep, edp), shape
+                if len(shape) == 3:  # the same ranks flattened into one dimension are refused, naming the fix
+                    with pytest.raises(UsageError, match=r"not made of dimensions of its mesh.*mesh\['replicate', 'dp'\]"):
+                        fsdp_compile.expert_mesh("cpu", 2, dp_mesh=mesh[data]._flatten("dp_flat"))
 
 
 @pytest.mark.multirank
