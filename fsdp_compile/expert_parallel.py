@@ -61,7 +61,7 @@ EXPERT_MESH_DIMS = ("ep", "edp")
 def expert_mesh(device_type: str, ep_size: int, *, dp_mesh: DeviceMesh | None = None) -> DeviceMesh:
     """A ``("ep", "edp")`` mesh over the default process group, ``ep_size`` ranks per EP group;
     under tensor parallelism, over the data-parallel ranks ``dp_mesh`` (what ``fully_shard``
-    gets as ``mesh``: ``mesh["dp"]``, or ``mesh["replicate", "shard"]`` for HSDP), so that no
+    gets as ``mesh``: ``mesh["dp"]``, or ``mesh["replicate", "dp"]`` for HSDP), so that no
     EP group crosses a tensor-parallel one.
 
     Each EP group is ``ep_size`` consecutive ranks of the default group, or of ``dp_mesh``
@@ -72,7 +72,7 @@ def expert_mesh(device_type: str, ep_size: int, *, dp_mesh: DeviceMesh | None = 
     if dp_mesh is not None and (dp_mesh.ndim not in (1, 2) or not dp_mesh.mesh_dim_names):
         raise UsageError(
             f"dp_mesh must be the data-parallel dimensions of the mesh tensor parallelism "
-            f"splits over (mesh['dp'], or mesh['replicate', 'shard'] for HSDP), got {dp_mesh}."
+            f"splits over (mesh['dp'], or mesh['replicate', 'dp'] for HSDP), got {dp_mesh}."
         )
     ranks = dp_mesh.size() if dp_mesh is not None else dist.get_world_size()
     over = "the data-parallel mesh's size" if dp_mesh is not None else "the world size"

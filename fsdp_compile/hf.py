@@ -178,10 +178,10 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
     if original is not None and _single_text_model(model) and (positions is None or not unread and _unpacked(positions)):
         masking.find_packed_sequence_indices = _never_packed
         held["find_packed_sequence_indices"] = original
-    for name, answering in (("_ignore_causal_mask_sdpa", _answered_skip), ("_ignore_bidirectional_mask_sdpa", _answered_bidirectional_skip)):
+    for name, answering in _SKIP_CHECKS:
         skip = getattr(masking, name, None)
-        if skip is not None and answering(skip) is not None:
-            setattr(masking, name, answering(skip))
+        if skip is not None and (answered := answering(skip)) is not None:
+            setattr(masking, name, answered)
             held[name] = skip
     return bound, held
 
@@ -260,6 +260,12 @@ def _answered_bidirectional_skip(original: Any) -> Any:
 
     return answered
 
+
+_SKIP_CHECKS = (
+    ("_ignore_causal_mask_sdpa", _answered_skip),
+    ("_ignore_bidirectional_mask_sdpa", _answered_bidirectional_skip),
+)
+"""HF's mask-skip checks and what answers each (NOTE: HF's value-dependent decisions)."""
 
 _SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 

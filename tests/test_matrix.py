@@ -101,6 +101,14 @@ class Layout:
         return "ep_size" in self.options
 
     @property
+    def hsdp(self) -> bool:
+        return "mesh_shape" in self.options
+
+    @property
+    def strategy(self) -> str:
+        return self.options.get("strategy", "optim_grads_params")
+
+    @property
     def tensor_parallel(self) -> bool:
         return "tp_size" in self.options
 
@@ -491,7 +499,7 @@ def _check(api: str, layout: Layout, r: dict) -> None:
             # (6e-8 measured), are the tight check.
             assert _close(r, "eager_grad_error", bound=1e-5), r
             assert _close(r, "eager_loss_error", bound=5e-5), r
-            if not (layout.expert_parallel and "mesh_shape" in layout.options):
+            if not (layout.expert_parallel and layout.hsdp):
                 assert _close(r, "eager_param_error", bound=5e-5), r
             assert _close(r, "loss_error", bound=2e-3), r
     else:
@@ -535,10 +543,10 @@ def test_the_matrix_covers_every_strategy():
     """The layouts are every strategy (1-D), every sharded strategy on HSDP, expert
     parallelism with and without efsdp, tensor parallelism, and the three beside HSDP: a new
     strategy cannot skip the matrix."""
-    strategies = {layout.options.get("strategy", "optim_grads_params") for layout in LAYOUTS.values()}
+    strategies = {layout.strategy for layout in LAYOUTS.values()}
     assert strategies == set(STRATEGIES)
-    hsdp = {layout.options.get("strategy", "optim_grads_params") for layout in LAYOUTS.values() if "mesh_shape" in layout.options}
+    hsdp = {layout.strategy for layout in LAYOUTS.values() if layout.hsdp}
     assert hsdp == set(GATHERING_STRATEGIES)
     assert {layout.options.get("shard_experts", False) for layout in LAYOUTS.values() if layout.expert_parallel} == {False, True}
     assert any(layout.tensor_parallel for layout in LAYOUTS.values())
-    assert any(layout.tensor_parallel and layout.expert_parallel and "mesh_shape" in layout.options for layout in LAYOUTS.values())
+    assert any(layout.tensor_parallel and layout.expert_parallel and layout.hsdp for layout in LAYOUTS.values())
