@@ -292,11 +292,18 @@ class MfsdpBackend:
         """The autograd graphs of the block calls whose backward has not run yet."""
         self._serial = next(_BACKEND_SERIALS)
         self._frames: dict[str, Callable] = {}
-        self._said_breaks: set[tuple[str, str]] = set()
-        """The frames whose graph break was said (NOTE: a graph break is said)."""
+        self._said: set[tuple[str, str]] = set()
+        """What this backend said once: the frames whose graph break it said (NOTE: a graph
+        break is said), an HF model traced inline (fsdp_compile/hf.py)."""
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         return self._compile(self.graphs, gm, example_inputs)
+
+    def says_first(self, said: tuple[str, str]) -> bool:
+        """Whether ``said`` is new to this backend, which keeps it from now on."""
+        new = said not in self._said
+        self._said.add(said)
+        return new
 
     def all_graphs(self) -> list[CompiledGraph]:
         """Every graph this backend compiled: the step's, then the bodies'."""
@@ -365,14 +372,13 @@ def _say_graph_break(gm: fx.GraphModule, owner: MfsdpBackend) -> None:
     """Warn of the break around ``gm``, once per break for ``owner`` (NOTE: a graph break is
     said)."""
     found = graph_break(gm)
-    if found is None or found[0] in owner._said_breaks:
+    if found is None or not owner.says_first(found[0]):
         return
-    frame, sentence = found
-    owner._said_breaks.add(frame)
+    sentence = found[1]
     warnings.warn(
         f"mfsdp: the step is not one graph. {sentence} What runs there gathers each parameter it "
         "reads on its own, with no prefetch or bucketing, and a repeated block called there runs "
-        "uncompiled. Keep the step in one graph for mfsdp's plan to cover it.",
+        "uncompiled: the graphs are what mfsdp's plan covers.",
         stacklevel=3,
     )
 

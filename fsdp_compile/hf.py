@@ -69,6 +69,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from fsdp_compile.backend import compiling_backend
+
 __all__ = ["is_hf_model", "install_prelude", "inputs_unread"]
 
 _MASKS = ("attention_mask", "decoder_attention_mask")
@@ -97,33 +99,74 @@ def inputs_unread() -> Iterator[None]:
 
 
 def install_prelude(root: nn.Module) -> None:
-    """Call ``root``'s forward through the prelude (NOTE: HF's value-dependent decisions)
-    when it is an HF model, and take the prelude off the models inside it (an earlier
-    ``fully_shard`` on a submodule): inside a traced step, a prelude would cut the graph."""
+    """Call ``root``'s forward through the prelude when it is an HF model; in a module of the
+    user's, each HF model's forward through ``_entry`` (NOTE: an HF model inside a module of
+    yours). Those of an earlier ``fully_shard`` on a submodule come off first: inside an HF
+    model's traced forward, a prelude would cut the graph."""
     for module in root.modules():
-        if module is not root and module.__dict__.get("_mfsdp_hf_prelude"):
+        if module.__dict__.get("_mfsdp_hf_prelude"):
             del module.forward, module._mfsdp_hf_prelude
-    if is_hf_model(root):
+    for model in [root] if is_hf_model(root) else [m for m in root.modules() if is_hf_model(m)]:
         # An instance attribute: the model's class stays the user's (and FSDP2's, HF's).
-        root.forward = types.MethodType(_PRELUDE, root)
-        root._mfsdp_hf_prelude = True
-    elif any(is_hf_model(m) for m in root.modules()):
+        model.forward = types.MethodType(_PRELUDE if model is root else _entry, model)
+        model._mfsdp_hf_prelude = True
+
+
+# NOTE: an HF model inside a module of yours
+#     A PEFT model, a head on an HF backbone: the step's frame starts in the user's forward,
+#     where the prelude cannot be the first call. An HF model's own forward goes through it
+#     instead (``_entry``), and Dynamo breaks the graph there: the user's code around the call
+#     runs as Dynamo leaves it (around graphs of its own, or in Python where Dynamo gives up on
+#     the frame, as on PEFT's forward), and the HF model's forward is compiled as a graph of
+#     its own, HF deciding as eagerly. The break is said once (check_graph_breaks.py): what
+#     runs outside the HF model gathers each parameter it reads on its own, far cheaper than
+#     a masked attention in every layer. An HF model called inside one whose prelude runs (a
+#     causal LM's base model) is traced inline; a step that must be one graph
+#     (``cuda_graph=True``) traces every HF model inline, masked, said once with the fix.
+
+_IN_PRELUDE = contextvars.ContextVar("mfsdp_hf_in_prelude", default=False)
+
+
+def _entry(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """An HF model's forward inside a module of the user's (NOTE: an HF model inside a
+    module of yours): through the prelude, a graph of its own where Dynamo traces it; inline
+    inside another HF model's prelude, or where the step must be one graph."""
+    if _inline_here(type(self).__name__):
+        return type(self).forward(self, *args, **kwargs)
+    return _PRELUDE(self, *args, **kwargs)
+
+
+@torch._dynamo.assume_constant_result
+def _inline_here(model: str) -> bool:
+    """Whether an HF model's forward runs inline: inside another HF model's prelude, or in a
+    step that must be one graph (traced for ``cuda_graph=True``; said once). Run by Dynamo as
+    it traces, a constant of the trace: a frame entered through a prelude always is, and
+    Dynamo guards a compiled frame on its backend."""
+    if _IN_PRELUDE.get():
+        return True
+    backend = compiling_backend()
+    if backend is None or not backend.options.cuda_graph:
+        return False
+    if backend.says_first(("an HF model traced inline", "")):  # the outermost, traced first
         warnings.warn(
-            f"fully_shard got a {type(root).__name__} holding an HF model: mfsdp decides HF's "
-            "attention masks from the inputs' values only when the HF model itself is the "
-            "module given to fully_shard and compiled. Traced inside another module, HF builds "
-            "a boolean causal mask (no FlashAttention, no grouped-query attention). Shard and "
-            "compile the HF model, and call it from your module.",
-            stacklevel=3,
+            f"cuda_graph=True: the HF model {model} inside the compiled module is traced into "
+            "the step's one graph, where HF builds a boolean attention mask (no FlashAttention, "
+            "no grouped-query attention); mfsdp gives it HF's fast path only in a graph of its "
+            f"own. Shard and compile {model} itself, and call it from your code, to capture its "
+            "fast path.",
+            stacklevel=2,
         )
+    return True
 
 
 def _prelude(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(self).forward
     bound, held = _decided(self, forward, args, kwargs)
+    inside = _IN_PRELUDE.set(True)
     try:
         return forward(*bound.args, **bound.kwargs)
     finally:
+        _IN_PRELUDE.reset(inside)
         _put_back(held)
 
 
@@ -147,25 +190,14 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
             mask = arguments.get(name)
             if isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool(mask.all()):
                 arguments[name] = None
-    # HF's hook is a no-op Dynamo traces unless the embeddings are frozen.
-    embeddings = model.get_input_embeddings() if getattr(model, "_require_grads_hooks", None) else None
-    if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
-        warnings.warn(  # once: Python's default warning filter keeps the first of a message
-            f"{type(model).__name__}.enable_input_require_grads() (HF's checkpointing and PEFT call "
-            "it) calls requires_grad_() on the output of the frozen input embeddings inside the "
-            "compiled forward, where Dynamo breaks the graph: the layers then run outside mfsdp's "
-            "compiled step. Non-reentrant checkpointing (use_reentrant=False, HF's default) needs "
-            "no input that requires a gradient: there, call model.disable_input_require_grads() "
-            "after enabling checkpointing.",
-            stacklevel=4,
-        )
+    _say_input_require_grads(model)
     held = {}
     # HF renamed the property in 5.24 and warns on the old name.
     renamed = hasattr(type(model), "is_activation_checkpointing")
     checkpointed = getattr(model, "is_activation_checkpointing" if renamed else "is_gradient_checkpointing", False)
     if checkpointed and model.training and torch.is_grad_enabled():
         _drop_cache_as_hf_does(model, bound)
-    if _install_output_hooks(model, arguments) and checkpointed and hasattr(torch._dynamo.config, _SKIP_REPLAY):
+    if _install_output_hooks(model, _named(bound)) and checkpointed and hasattr(torch._dynamo.config, _SKIP_REPLAY):
         # HF's output hooks append to its collector, outside the checkpoint region of each
         # layer, which Dynamo refuses (a graph break per layer) unless the recompute in the
         # backward skips that side effect; eager's recompute appends nothing either (the
@@ -184,6 +216,46 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
             setattr(masking, name, answered)
             held[name] = skip
     return bound, held
+
+
+_REQUIRE_GRADS_HOOK = "enable_input_require_grads.<locals>.make_inputs_require_grads"
+
+
+def _say_input_require_grads(model: nn.Module) -> None:
+    """Say, once, that HF's ``enable_input_require_grads`` hook on frozen input embeddings
+    breaks the graph, with the fix (HF's hook is a no-op Dynamo traces unless the
+    embeddings are frozen)."""
+    if not hasattr(model, "_require_grads_hooks"):  # never enabled (HF sets [] when disabled)
+        return
+    embeddings = model.get_input_embeddings()
+    if not isinstance(embeddings, nn.Module) or any(p.requires_grad for p in embeddings.parameters()):
+        return
+    hooks = [h for h in embeddings._forward_hooks.values() if getattr(h, "__qualname__", "").endswith(_REQUIRE_GRADS_HOOK)]
+    if not hooks:
+        return
+    # HF keeps the handles of the last enabling only: enabled twice, one hook stays.
+    forgotten = len(hooks) - len(getattr(model, "_require_grads_hooks", None) or ())
+    warnings.warn(  # once: Python's default warning filter keeps the first of a message
+        f"{type(model).__name__}.enable_input_require_grads() (HF's checkpointing and PEFT call "
+        "it) calls requires_grad_() on the output of the frozen input embeddings inside the "
+        "compiled forward, where Dynamo breaks the graph: the layers then run outside mfsdp's "
+        "compiled step. Non-reentrant checkpointing (use_reentrant=False, HF's default) needs "
+        "no input that requires a gradient: there, call model.disable_input_require_grads() "
+        "after enabling checkpointing."
+        + (
+            " Here it was enabled twice (PEFT's get_peft_model enables it again on a model "
+            "already checkpointing), and HF removes only the last one's hook: enable "
+            "checkpointing after get_peft_model, on the PEFT model, then disable it."
+            if forgotten > 0 else ""
+        ),
+        stacklevel=5,
+    )
+
+
+def _named(bound: inspect.BoundArguments) -> dict:
+    """The call's arguments by name, with those in its ``**kwargs`` (``output_hidden_states``)."""
+    extra = [n for n, p in bound.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    return {**(bound.arguments.get(extra[0], {}) if extra else {}), **bound.arguments}
 
 
 _CACHE_DROPPED = "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`."
@@ -345,5 +417,33 @@ def _install_output_hooks(model: nn.Module, arguments: dict) -> bool:
         config = getattr(module, "config", None)
         if any(arguments.get(f"output_{key}", getattr(config, f"output_{key}", False)) for key in flags):
             asked = True
-            install(module)  # once: HF marks the model
+            # Only where HF installs them: an outer model installing them again over its base
+            # model would hook each layer twice (twice the hidden states) when HF already did.
+            if _captures_outputs(module, capturing):
+                install(module)  # once: HF marks the model
     return asked
+
+
+def _captures_outputs(model: nn.Module, capturing: types.ModuleType) -> bool:
+    """Whether ``model``'s forward is wrapped by HF's ``capture_outputs``, which installs the
+    hooks on the model whose forward it wraps."""
+    wrappers = _nested_code(getattr(capturing, "capture_outputs", None))
+    forward = type(model).forward
+    while forward is not None:
+        if getattr(forward, "__code__", None) in wrappers:
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
+
+
+@functools.cache
+def _nested_code(function: Any) -> frozenset[types.CodeType]:
+    """The code objects defined inside ``function`` (its decorator's wrappers), at any depth."""
+    found, todo = set(), [getattr(function, "__code__", None)]
+    while todo:
+        code = todo.pop()
+        for const in code.co_consts if code is not None else ():
+            if isinstance(const, types.CodeType):
+                found.add(const)
+                todo.append(const)
+    return frozenset(found)

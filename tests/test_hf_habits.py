@@ -8,6 +8,7 @@ inside a repeated block and NOTE: HF caches in a repeated block (fsdp_compile/si
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 import types
@@ -73,7 +74,47 @@ def _config(family: str, **overrides):
     return config
 
 
+class _Wrapped(torch.nn.Module):
+    """A module of the user's around an HF causal LM, as PEFT's is: it calls the model's
+    ``forward`` inside a context manager of its own, and scales the loss by parameters of
+    its own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_scale = torch.nn.Parameter(torch.ones(4))
+
+    @contextlib.contextmanager
+    def _adapters_on(self):
+        yield
+
+    def forward(self, **inputs):
+        with self._adapters_on():
+            out = self.model.forward(**inputs)
+        out["loss"] = out.loss * self.loss_scale.mean()
+        return out
+
+
+class _Scorer(torch.nn.Module):
+    """A head of the user's on an HF model's hidden states: the whole causal LM's, or its base
+    model's called alone."""
+
+    def __init__(self, model: torch.nn.Module, base: bool) -> None:
+        super().__init__()
+        self.model, self.base = model, base
+        self.head = torch.nn.Linear(model.config.hidden_size, 1)
+
+    def forward(self, **inputs):
+        if self.base:
+            hidden = self.model.model(inputs["input_ids"], attention_mask=inputs.get("attention_mask")).last_hidden_state
+        else:
+            hidden = self.model(**inputs, output_hidden_states=True).hidden_states[-1]
+        return self.head(hidden).mean()
+
+
 def _build(family: str, **overrides):
+    if family == "wrapped_llama":
+        return _Wrapped(_build("llama", **overrides))
     torch.manual_seed(0)
     config = _config(family, **overrides)
     if family == "t5":
@@ -157,6 +198,31 @@ def test_every_layer_is_one_block_call_with_hf_default_config(family):
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("run_eagerly_first", [False, True])
+def test_outputs_asked_through_kwargs_keep_the_step_one_graph(family, run_eagerly_first):
+    """``output_hidden_states=True`` reaches an HF model through its ``**kwargs``: the prelude
+    installs HF's capturing hooks for it before the trace, as for ``output_router_logits``.
+    Before, HF installed them inside the traced forward, under a lock Dynamo cannot enter:
+    the step broke in two, the base model's forward in a graph of its own. The hooks go
+    where HF puts them, on the base model: a model HF had hooked eagerly (a copy of the
+    reference after its run) got them again from the causal LM, every layer's hidden state
+    twice. Every hidden state equals eager's (one gloo rank)."""
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    reference = _build(family)
+    expected = reference(**_inputs(family, tokens), output_hidden_states=True).hidden_states
+    with one_rank_group(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = fully_shard(copy.deepcopy(reference) if run_eagerly_first else _build(family))
+        backend = MfsdpBackend(compiler="eager")
+        out = torch.compile(model, backend=backend)(**_inputs(family, tokens), output_hidden_states=True)
+        out.loss.backward()
+    assert not [w for w in said if "not one graph" in str(w.message)], [str(w.message) for w in said]
+    assert len(backend.graphs) == 1 and _block_calls(backend) == 2
+    assert len(out.hidden_states) == len(expected) and all(torch.equal(a, b) for a, b in zip(out.hidden_states, expected))
+
+
+@pytest.mark.structure
 @pytest.mark.parametrize(
     "family, use_cache, checkpointing",
     [("llama", False, False), ("llama", True, False), ("llama", False, True), ("llama", True, True),
@@ -211,6 +277,53 @@ def test_sdpa_calls_compiled_are_the_eager_ones(family):
         return {tuple(sorted({**c, "causal": bool(c["causal"]), "gqa": bool(c["gqa"])}.items())) for c in calls}
 
     assert eager and kinds(_sdpa_calls(backend)) == kinds(eager), (_sdpa_calls(backend), eager)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("wrapper", ["peft_like", "scorer", "scorer_of_base_model"])
+def test_an_hf_model_inside_a_module_of_yours_takes_the_fast_path(wrapper):
+    """A PEFT model, or a head of the user's on an HF model (the causal LM, or its base model
+    called alone): the HF model's forward is compiled as a graph of its own, where HF decides
+    its mask as eagerly (no mask, causal, grouped-query attention), every layer one block
+    call; the break at its call is said once, naming the model. Before, the HF model was
+    traced with the wrapper and built a boolean mask (said at ``fully_shard``)."""
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    with fake_process_group(8), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        llama = _build("llama")
+        model = fully_shard(_Wrapped(llama) if wrapper == "peft_like" else _Scorer(llama, wrapper == "scorer_of_base_model"))
+        backend = MfsdpBackend(compiler="eager")
+        step = torch.compile(model, backend=backend)
+        for _ in range(2):
+            out = step(**_inputs("llama", tokens, attention_mask=torch.ones_like(tokens)))
+            (out if wrapper != "peft_like" else out.loss).backward()
+    calls = _sdpa_calls(backend)
+    assert calls and all(
+        not c["mask"] and c["causal"] and c["gqa"] and c["kv_heads"] * 2 == c["q_heads"] for c in calls
+    ), calls
+    assert _block_calls(backend) == 2, _block_calls(backend)
+    breaks = [str(w.message) for w in said if "not one graph" in str(w.message)]
+    named = "LlamaModel" if wrapper == "scorer_of_base_model" else "LlamaForCausalLM"
+    assert len(breaks) == 1 and f"calls the HF model {named}, whose forward mfsdp compiles as a graph of its own" in breaks[0], breaks
+
+
+@pytest.mark.structure
+def test_a_step_that_must_be_one_graph_traces_a_wrapped_hf_model_inline_and_says_so():
+    """``cuda_graph=True``: a step captured whole cannot have a graph of the HF model's own,
+    so the HF model inside a module of the user's is traced inline, where HF masks what it
+    cannot read while traced (a given mask of ones), said once (naming the outermost HF
+    model) with the fix."""
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    with fake_process_group(8), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = fully_shard(_Wrapped(_build("llama")))
+        backend = MfsdpBackend(compiler="eager", cuda_graph=True)
+        inputs = _inputs("llama", tokens, attention_mask=torch.ones_like(tokens))
+        torch.compile(model, backend=backend)(**inputs).loss.backward()
+    calls = _sdpa_calls(backend)
+    assert len(backend.graphs) == 1 and calls and all(c["mask"] and not c["causal"] for c in calls), calls
+    inline = [str(w.message) for w in said if "traced into the step's one graph" in str(w.message)]
+    assert len(inline) == 1 and "Shard and compile LlamaForCausalLM itself" in inline[0], inline
 
 
 @pytest.mark.structure
@@ -321,6 +434,24 @@ def test_input_require_grads_on_frozen_embeddings_is_said_with_the_fix():
     assert len(backend.graphs) == 1
     expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert sorted(grads) == sorted(expected) and all(torch.equal(grads[n], g) for n, g in expected.items())
+
+
+@pytest.mark.structure
+def test_input_require_grads_enabled_twice_is_said_with_the_order_that_undoes_it():
+    """PEFT's ``get_peft_model`` on a model already checkpointing enables HF's input hook a
+    second time, and HF then removes only the last one's: after the documented
+    ``disable_input_require_grads()`` one hook stays and the step still breaks. Said, with the
+    order that undoes it (checkpointing enabled after ``get_peft_model``)."""
+    model = _build("llama")
+    model.requires_grad_(False)
+    for layer in model.model.layers:
+        layer.mlp.down_proj.requires_grad_(True)
+    model.enable_input_require_grads()
+    model.enable_input_require_grads()
+    model.disable_input_require_grads()
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    with fake_process_group(2), pytest.warns(UserWarning, match="Here it was enabled twice.*after get_peft_model"):
+        torch.compile(fully_shard(model), backend=MfsdpBackend(compiler="eager"))(**_inputs("llama", tokens)).loss.backward()
 
 
 @pytest.mark.structure
@@ -452,6 +583,8 @@ def _batches(family: str, world: int, padded: bool):
 def _hooked(model, family: str) -> list:
     """A user's activation logger on each layer's MLP: what it saw, per call."""
     seen = []
+    if family == "wrapped_llama":
+        model = model.model
     layers = model.decoder.block if family == "t5" else model.model.layers if hasattr(model, "model") else model.transformer.h
     for layer in layers:
         mlp = getattr(layer, "mlp", None) or layer.layer[-1]
@@ -546,12 +679,14 @@ def _after_training(model, reference, rank: int, params: dict) -> dict:
 @pytest.mark.parametrize(
     "family, padded",
     [("llama", False), ("llama", True), ("gemma3", True), ("gpt2", False), ("t5", False), ("qwen2_moe", False),
-     ("qwen3_moe", False), ("mixtral", False)],
+     ("qwen3_moe", False), ("mixtral", False), ("wrapped_llama", False), ("wrapped_llama", True)],
 )
 def test_hf_habits_train_at_parity(family, padded):
     """Two gloo ranks, the eager runner: HF's default cache, a padded batch, MoE router losses
     (``output_router_logits=True``: HF's load-balancing loss from hooks inside each layer,
-    which crashed before) and a user's hook inside each layer match the unsharded model."""
+    which crashed before), a user's hook inside each layer and an HF model inside a module of
+    the user's (its own graph, the wrapper's parameters read outside it) match the unsharded
+    model."""
     for result in spawn(_hf_parity, 2, family=family, padded=padded):
         assert result["grad_names"], result
         assert result["loss"] < 1e-5 and result["grad"] < 1e-5 and result["param"][0] < 1e-5, result

@@ -35,6 +35,7 @@ from fsdp_compile.plan import Plan
 _MACHINERY = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 _CONVERT_FRAME = str(Path(torch._dynamo.convert_frame.__file__))
 _EVAL_FRAME = str(Path(torch._dynamo.eval_frame.__file__))
+_HF_PRELUDE = (str(Path(__file__).parents[1] / "hf.py"), "_prelude")
 _FIX = (
     "Fix: keep the step in one graph: keep values on the device (torch.where or masks "
     "instead of .item(), .tolist() or a Python `if` on a tensor), or compile with "
@@ -46,10 +47,9 @@ class GraphBreakUnderCudaGraph(CompileUsageError):
     """``cuda_graph=True`` and the step does not compile into one graph."""
 
 
-def _python_frame_between() -> FrameType | None:
-    """The innermost user frame running in Python between torch.compile's entry and the frame
-    Dynamo is converting now; None when the compiled frame is called from torch code only (or
-    the stack does not look like a Dynamo conversion)."""
+def _python_frames_between() -> list[FrameType]:
+    """The frames running in Python between torch.compile's entry and the frame Dynamo is
+    converting now, innermost first; none when the stack does not look like a conversion."""
     frames, frame = [], sys._getframe(1)
     while frame is not None:
         frames.append(frame)
@@ -57,9 +57,13 @@ def _python_frame_between() -> FrameType | None:
     converting = [i for i, f in enumerate(frames) if f.f_code.co_filename == _CONVERT_FRAME]
     entry = [i for i, f in enumerate(frames) if f.f_code.co_filename == _EVAL_FRAME]
     if not converting or not entry or entry[0] < converting[-1]:
-        return None
-    between = frames[converting[-1] + 1 : entry[0]]
-    return next((f for f in between if not f.f_code.co_filename.startswith(_MACHINERY)), None)
+        return []
+    return frames[converting[-1] + 1 : entry[0]]
+
+
+def _is_hf_prelude(frame: FrameType) -> bool:
+    # Named, not imported: fsdp_compile.hf asks the backend, which runs this pass.
+    return (frame.f_code.co_filename, frame.f_code.co_name) == _HF_PRELUDE
 
 
 def graph_break(gm: fx.GraphModule) -> tuple[tuple[str, str], str] | None:
@@ -76,15 +80,26 @@ def graph_break(gm: fx.GraphModule) -> tuple[tuple[str, str], str] | None:
             why = "a Python branch on a tensor's value"
         frame = (where.filename, where.name) if where else ("", "")
         return frame, f"Dynamo breaks the graph at {line} ({why}); the code after the break runs in Python."
-    frame = _python_frame_between()
-    if frame is None:
+    between = _python_frames_between()
+    users = [i for i, f in enumerate(between) if not f.f_code.co_filename.startswith(_MACHINERY)]
+    if not users:
         return None
+    frame = between[users[0]]
     code = frame.f_code
+    where = f"{code.co_name} ({code.co_filename}, line {code.co_firstlineno}) runs in Python around the compiled graphs"
+    prelude = next((f for f in between[: users[0]] if _is_hf_prelude(f)), None)
+    if prelude is not None:  # NOTE: an HF model inside a module of yours, in fsdp_compile/hf.py
+        model = type(prelude.f_locals.get("self")).__name__
+        return (code.co_filename, code.co_name), (
+            f"{where}: at line {frame.f_lineno} it calls the HF model {model}, whose forward mfsdp "
+            "compiles as a graph of its own, so that HF decides its attention mask from the "
+            "inputs' values as it does eagerly (FlashAttention and grouped-query attention on a "
+            "GPU; fsdp_compile/hf.py)."
+        )
     return (code.co_filename, code.co_name), (
-        f"{code.co_name} ({code.co_filename}, line {code.co_firstlineno}) runs in Python around "
-        f"the compiled graphs, now at line {frame.f_lineno}: Dynamo broke its graph or gave up on "
-        "the frame (a graph break inside a loop makes it run the whole frame eagerly; "
-        "TORCH_LOGS=graph_breaks shows why)."
+        f"{where}, now at line {frame.f_lineno}: Dynamo broke its graph or gave up on the frame (a "
+        "graph break inside a loop makes it run the whole frame eagerly; TORCH_LOGS=graph_breaks "
+        "shows why)."
     )
 
 
