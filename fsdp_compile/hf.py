@@ -33,6 +33,10 @@ NOTE: HF's value-dependent decisions, made before the trace
       the causal one refuses every skip under tracing, and on torch 2.11 both do, since
       Dynamo traces ``torch.compiler.is_exporting()`` as True there.
 
+    - an int ``num_items_in_batch`` (the loss's divisor, which HF also hands every layer)
+      becomes a 0-d tensor, as HF's Trainer passes it: an int that changes every step would
+      become symbolic, which no block call carries.
+
     A padded mask or packed positions go through untouched: HF builds the mask from them in
     the graph, exactly as before, and a step with padding compiles a graph of its own. A
     step captured whole (``capture_step``) must not read values while it warms up or
@@ -178,9 +182,10 @@ _PRELUDE = torch._dynamo.disable(_prelude, recursive=False)
 
 @torch._dynamo.disable
 def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple[inspect.BoundArguments, Any]:
-    """The call's arguments, an all-ones mask made None, HF's output hooks installed where the
-    call asks for outputs, and HF's packed-sequence check answered where the position ids
-    are unpacked; returns what ``_put_back`` restores after the call."""
+    """The call's arguments, an all-ones mask made None, an int ``num_items_in_batch`` a
+    tensor, HF's output hooks installed where the call asks for outputs, and HF's
+    packed-sequence check answered where the position ids are unpacked; returns what
+    ``_put_back`` restores after the call."""
     bound = _signature(forward).bind_partial(model, *args, **kwargs)
     arguments = bound.arguments
     unread = _INPUTS_UNREAD.get()
@@ -191,6 +196,7 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
             mask = arguments.get(name)
             if isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool(mask.all()):
                 arguments[name] = None
+        _count_as_tensor(bound)  # not in a capture, which copies no new tensor to the device
     say_input_require_grads(model)
     held = {}
     # HF renamed the property in 5.24 and warns on the old name.
@@ -220,6 +226,29 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
     return bound, held
 
 
+def _count_as_tensor(bound: inspect.BoundArguments) -> None:
+    """HF's ``num_items_in_batch`` (the loss's divisor under gradient accumulation) given as a
+    Python int becomes a 0-d tensor on the inputs' device, as HF's Trainer passes it, and HF's
+    loss divides by either alike. HF hands its ``**kwargs`` on to every layer: an int that
+    changes from step to step becomes symbolic to Dynamo, which no block call carries (the
+    step broke at every layer)."""
+    into = _holder(bound, "num_items_in_batch")
+    count = None if into is None else into.get("num_items_in_batch")
+    if type(count) is int:
+        device = next((v.device for v in _named(bound).values() if isinstance(v, torch.Tensor)), None)
+        into["num_items_in_batch"] = torch.tensor(count, device=device)
+
+
+def _holder(bound: inspect.BoundArguments, name: str) -> dict | None:
+    """Where the call's argument ``name`` is, or would be given: its named arguments, or the
+    dict of its ``**kwargs``; None where it takes no such argument."""
+    parameters = bound.signature.parameters
+    if name in parameters:
+        return bound.arguments
+    extra = next((n for n, p in parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    return None if extra is None else bound.arguments.setdefault(extra, {})
+
+
 def _named(bound: inspect.BoundArguments) -> dict:
     """The call's arguments by name, with those in its ``**kwargs`` (``output_hidden_states``)."""
     extra = [n for n, p in bound.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
@@ -234,13 +263,8 @@ def _drop_cache_as_hf_does(model: nn.Module, bound: inspect.BoundArguments) -> N
     on), saying so through its logger: traced, the logger call breaks the graph (HF configs
     default to ``use_cache=True``). The call gets ``use_cache=False`` here, and HF's logger
     the same message, once."""
-    parameters = bound.signature.parameters
-    extra = next((name for name, p in parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    if "use_cache" in parameters:
-        into = bound.arguments
-    elif extra is not None:
-        into = bound.arguments.setdefault(extra, {})
-    else:
+    into = _holder(bound, "use_cache")
+    if into is None:
         return
     asked = into.get("use_cache")
     if asked is None:

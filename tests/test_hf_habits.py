@@ -437,6 +437,47 @@ def test_input_require_grads_on_frozen_embeddings_is_said_with_the_fix():
 
 
 @pytest.mark.structure
+def test_an_int_num_items_in_batch_keeps_one_graph_and_eager_arithmetic():
+    """``num_items_in_batch`` as a Python int (``(labels != -100).sum().item()`` under gradient
+    accumulation), a new value each step: HF hands it to every layer too, where Dynamo made
+    it symbolic from the second value and the step broke at every layer (7 graphs in 5
+    steps). As a 0-d tensor, as HF's Trainer passes it: one graph, and losses and weights
+    equal eager's with the int, bit for bit (one gloo rank)."""
+    reference = _build("llama")
+    model = copy.deepcopy(reference)
+    steps = []
+    for step in range(4):
+        tokens = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(step))
+        labels = tokens.clone()
+        labels[:, : step + 1] = -100
+        steps.append({"input_ids": tokens, "labels": labels, "num_items_in_batch": int((labels != -100).sum())})
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for inputs in steps:
+        expected.append(reference(**inputs).loss)
+        expected[-1].backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    with one_rank_group(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        step = torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for inputs in steps:
+            losses.append(step(**inputs).loss)
+            losses[-1].backward()
+            opt.step()
+            opt.zero_grad()
+        params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    assert not [w for w in said if "not one graph" in str(w.message)], [str(w.message) for w in said]
+    assert len(backend.graphs) == 1 and _block_calls(backend) == 2
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected))
+    assert all(torch.equal(params[n], p) for n, p in reference.named_parameters())
+
+
+@pytest.mark.structure
 def test_input_require_grads_enabled_twice_is_said_with_the_order_that_undoes_it():
     """PEFT's ``get_peft_model`` on a model already checkpointing enables HF's input hook a
     second time, and HF then removes only the last one's: after the documented
