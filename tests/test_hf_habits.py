@@ -451,25 +451,23 @@ def test_an_int_num_items_in_batch_keeps_one_graph_and_eager_arithmetic():
         labels = tokens.clone()
         labels[:, : step + 1] = -100
         steps.append({"input_ids": tokens, "labels": labels, "num_items_in_batch": int((labels != -100).sum())})
-    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    expected = []
-    for inputs in steps:
-        expected.append(reference(**inputs).loss)
-        expected[-1].backward()
-        reference_opt.step()
-        reference_opt.zero_grad()
+
+    def train(forward, parameters) -> list[torch.Tensor]:
+        opt = torch.optim.AdamW(parameters, lr=1e-2)
+        losses = []
+        for inputs in steps:
+            losses.append(forward(**inputs).loss)
+            losses[-1].backward()
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    expected = train(reference, reference.parameters())
     with one_rank_group(), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         model = fully_shard(model)
         backend = MfsdpBackend(compiler="eager")
-        step = torch.compile(model, backend=backend)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for inputs in steps:
-            losses.append(step(**inputs).loss)
-            losses[-1].backward()
-            opt.step()
-            opt.zero_grad()
+        losses = train(torch.compile(model, backend=backend), model.parameters())
         params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
     assert not [w for w in said if "not one graph" in str(w.message)], [str(w.message) for w in said]
     assert len(backend.graphs) == 1 and _block_calls(backend) == 2
