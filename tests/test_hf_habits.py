@@ -20,6 +20,7 @@ import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.block_call import BLOCK_FORWARD
+from fsdp_compile.patterns import is_reduce_scatter
 from harness import SUMMATION_ORDER_EPS, fake_process_group, one_rank_group, relative_error, spawn
 
 transformers = pytest.importorskip("transformers")
@@ -305,6 +306,53 @@ def test_an_hf_model_inside_a_module_of_yours_takes_the_fast_path(wrapper):
     breaks = [str(w.message) for w in said if "not one graph" in str(w.message)]
     named = "LlamaModel" if wrapper == "scorer_of_base_model" else "LlamaForCausalLM"
     assert len(breaks) == 1 and f"calls the HF model {named}, whose forward mfsdp compiles as a graph of its own" in breaks[0], breaks
+
+
+@pytest.mark.structure
+def test_a_peft_lora_model_trains_as_eagerly_on_the_fast_path():
+    """PEFT's LoRA on HF Llama, with checkpointing enabled after ``get_peft_model`` and HF's
+    input hook disabled (the order the warning names): the HF model compiles as a graph of
+    its own (PEFT's forward runs in Python around it, said once), each layer one block call,
+    SDPA without a mask, causal, grouped-query; only the adapters are reduce-scattered. The
+    losses and every parameter after three AdamW steps equal eager's bit for bit (one gloo
+    rank)."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    reference = peft.get_peft_model(_build("llama"), config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # HF 5.24's new names; PEFT calls the old
+        reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference.disable_input_require_grads()
+    model = copy.deepcopy(reference)
+    batches = [torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def train(forward, module) -> list[torch.Tensor]:
+        opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for tokens in batches:
+            losses.append(forward(input_ids=tokens, labels=tokens).loss)
+            losses[-1].backward()
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    expected = train(reference, reference)
+    with one_rank_group(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        losses = train(torch.compile(model, backend=backend), model)
+        params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    breaks = [str(w.message) for w in said if "not one graph" in str(w.message)]
+    assert len(breaks) == 1 and "calls the HF model LlamaForCausalLM" in breaks[0], breaks
+    assert not [w for w in said if "input_require_grads" in str(w.message)]
+    assert len(backend.graphs) == 1 and _block_calls(backend) == 2
+    calls = _sdpa_calls(backend)
+    assert calls and all(not c["mask"] and c["causal"] and c["gqa"] for c in calls), calls
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected))
+    assert all(torch.equal(params[n], p) for n, p in reference.named_parameters())
+    scattered = sum(n.meta["val"].numel() for n in backend.graphs[0].backward.graph.nodes if is_reduce_scatter(n))
+    assert scattered == sum(p.numel() for p in reference.parameters() if p.requires_grad), scattered
 
 
 @pytest.mark.structure
