@@ -113,6 +113,23 @@ class _Scorer(torch.nn.Module):
         return self.head(hidden).mean()
 
 
+class _Prompted(torch.nn.Module):
+    """Learned virtual tokens before the text, as PEFT's prompt tuning: the wrapper computes
+    (the inputs' embeddings) before it calls the HF model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.prompt = torch.nn.Parameter(torch.randn(2, model.config.hidden_size))
+
+    def forward(self, input_ids, labels, attention_mask):
+        prompt = self.prompt.expand(input_ids.shape[0], -1, -1)
+        embeds = torch.cat([prompt, self.model.get_input_embeddings()(input_ids)], dim=1)
+        labels = torch.cat([torch.full_like(labels[:, :2], -100), labels], dim=1)
+        mask = torch.cat([torch.ones_like(attention_mask[:, :2]), attention_mask], dim=1)
+        return self.model(inputs_embeds=embeds, labels=labels, attention_mask=mask)
+
+
 def _build(family: str, **overrides):
     if family == "wrapped_llama":
         return _Wrapped(_build("llama", **overrides))
@@ -281,31 +298,33 @@ def test_sdpa_calls_compiled_are_the_eager_ones(family):
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("wrapper", ["peft_like", "scorer", "scorer_of_base_model"])
+@pytest.mark.parametrize("wrapper", ["peft_like", "scorer", "scorer_of_base_model", "prompted"])
 def test_an_hf_model_inside_a_module_of_yours_takes_the_fast_path(wrapper):
-    """A PEFT model, or a head of the user's on an HF model (the causal LM, or its base model
-    called alone): the HF model's forward is compiled as a graph of its own, where HF decides
-    its mask as eagerly (no mask, causal, grouped-query attention), every layer one block
-    call; the break at its call is said once, naming the model. Before, the HF model was
-    traced with the wrapper and built a boolean mask (said at ``fully_shard``)."""
+    """A PEFT model, a head of the user's on an HF model (the causal LM, or its base model
+    called alone), or virtual tokens computed before it: the HF model's forward is compiled
+    as a graph of its own, where HF decides its mask as eagerly (no mask, causal,
+    grouped-query attention), every layer one block call; the break at its call is said
+    once (from the graph before it, when there is one, or the HF model's). Before, the HF
+    model was traced with the wrapper and built a boolean mask (said at ``fully_shard``)."""
     tokens = torch.randint(0, VOCAB, (2, SEQ))
     with fake_process_group(8), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         llama = _build("llama")
-        model = fully_shard(_Wrapped(llama) if wrapper == "peft_like" else _Scorer(llama, wrapper == "scorer_of_base_model"))
+        wrappers = {"peft_like": _Wrapped, "prompted": _Prompted}
+        model = fully_shard(wrappers[wrapper](llama) if wrapper in wrappers else _Scorer(llama, wrapper == "scorer_of_base_model"))
         backend = MfsdpBackend(compiler="eager")
         step = torch.compile(model, backend=backend)
         for _ in range(2):
             out = step(**_inputs("llama", tokens, attention_mask=torch.ones_like(tokens)))
-            (out if wrapper != "peft_like" else out.loss).backward()
+            (out.loss if wrapper in wrappers else out).backward()
     calls = _sdpa_calls(backend)
     assert calls and all(
         not c["mask"] and c["causal"] and c["gqa"] and c["kv_heads"] * 2 == c["q_heads"] for c in calls
     ), calls
     assert _block_calls(backend) == 2, _block_calls(backend)
     breaks = [str(w.message) for w in said if "not one graph" in str(w.message)]
-    named = "LlamaModel" if wrapper == "scorer_of_base_model" else "LlamaForCausalLM"
-    assert len(breaks) == 1 and f"calls the HF model {named}, whose forward mfsdp compiles as a graph of its own" in breaks[0], breaks
+    named = {"scorer_of_base_model": "the HF model LlamaModel", "prompted": "an HF model"}.get(wrapper, "the HF model LlamaForCausalLM")
+    assert len(breaks) == 1 and f"calls {named}, whose forward mfsdp compiles as a graph of its own" in breaks[0], breaks
 
 
 @pytest.mark.structure

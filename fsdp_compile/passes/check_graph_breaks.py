@@ -74,6 +74,10 @@ def graph_break(gm: fx.GraphModule) -> tuple[tuple[str, str], str] | None:
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is not None and reason.graph_break:
         where = reason.user_stack[-1] if reason.user_stack else None
+        caller = next((f for f in reversed(reason.user_stack or []) if not f.filename.startswith(_MACHINERY)), None)
+        if where is not None and where.filename == _HF_PRELUDE[0] and caller is not None:
+            code = f"{caller.name} ({caller.filename})"
+            return (caller.filename, caller.name), _calls_hf_model(f"{code} breaks its graph", caller.lineno, "an HF model")
         line = f"{where.filename}, line {where.lineno}: {where.line}" if where else "an unknown line"
         why = reason.reason.strip().splitlines()[0]
         if why.startswith("generic_jump"):  # Dynamo's name for a jump on a traced value
@@ -88,18 +92,23 @@ def graph_break(gm: fx.GraphModule) -> tuple[tuple[str, str], str] | None:
     code = frame.f_code
     where = f"{code.co_name} ({code.co_filename}, line {code.co_firstlineno}) runs in Python around the compiled graphs"
     prelude = next((f for f in between[: users[0]] if _is_hf_prelude(f)), None)
-    if prelude is not None:  # NOTE: an HF model inside a module of yours, in fsdp_compile/hf.py
-        model = type(prelude.f_locals.get("self")).__name__
-        return (code.co_filename, code.co_name), (
-            f"{where}: at line {frame.f_lineno} it calls the HF model {model}, whose forward mfsdp "
-            "compiles as a graph of its own, so that HF decides its attention mask from the "
-            "inputs' values as it does eagerly (FlashAttention and grouped-query attention on a "
-            "GPU; fsdp_compile/hf.py)."
-        )
+    if prelude is not None:
+        model = f"the HF model {type(prelude.f_locals.get('self')).__name__}"
+        return (code.co_filename, code.co_name), _calls_hf_model(where, frame.f_lineno, model)
     return (code.co_filename, code.co_name), (
         f"{where}, now at line {frame.f_lineno}: Dynamo broke its graph or gave up on the frame (a "
         "graph break inside a loop makes it run the whole frame eagerly; TORCH_LOGS=graph_breaks "
         "shows why)."
+    )
+
+
+def _calls_hf_model(where: str, line: int, model: str) -> str:
+    """The break at an HF model's prelude (NOTE: an HF model inside a module of yours, in
+    fsdp_compile/hf.py), said of the graph before it and of the HF model's own alike."""
+    return (
+        f"{where}: at line {line} it calls {model}, whose forward mfsdp compiles as a graph of "
+        "its own, so that HF decides its attention mask from the inputs' values as it does "
+        "eagerly (FlashAttention and grouped-query attention on a GPU; fsdp_compile/hf.py)."
     )
 
 
