@@ -239,20 +239,25 @@ def _count_as_tensor(bound: inspect.BoundArguments) -> None:
         into["num_items_in_batch"] = torch.tensor(count, device=device)
 
 
+@functools.cache
+def _var_keyword(signature: inspect.Signature) -> str | None:
+    """The name of the signature's ``**kwargs``, if it has one."""
+    return next((n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+
 def _holder(bound: inspect.BoundArguments, name: str) -> dict | None:
     """Where the call's argument ``name`` is, or would be given: its named arguments, or the
     dict of its ``**kwargs``; None where it takes no such argument."""
-    parameters = bound.signature.parameters
-    if name in parameters:
+    if name in bound.signature.parameters:
         return bound.arguments
-    extra = next((n for n, p in parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    extra = _var_keyword(bound.signature)
     return None if extra is None else bound.arguments.setdefault(extra, {})
 
 
 def _named(bound: inspect.BoundArguments) -> dict:
     """The call's arguments by name, with those in its ``**kwargs`` (``output_hidden_states``)."""
-    extra = [n for n, p in bound.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
-    return {**(bound.arguments.get(extra[0], {}) if extra else {}), **bound.arguments}
+    extra = _var_keyword(bound.signature)
+    return {**(bound.arguments.get(extra, {}) if extra else {}), **bound.arguments}
 
 
 _CACHE_DROPPED = "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`."
