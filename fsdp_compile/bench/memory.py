@@ -6,7 +6,8 @@ step, less what was allocated before (a mode's own, whatever earlier modes of th
 left). Warm-up is included because a captured CUDA graph allocates its memory pool during
 capture; counting only the replays would leave that pool out.
 
-CPU: no allocator keeps a peak, and ``MemTracker`` cannot stand in: its module hooks register a
+CPU: no allocator keeps a peak (the profiled step's allocator peak is ``step_peak_bytes``, from
+the profiler's memory events), and ``MemTracker`` cannot stand in: its module hooks register a
 gradient hook on every parameter, which fails on the model's frozen positional table, and it
 does not see allocations inside compiled code or custom ops. The resident set sees everything
 the process touches, so the peak is Linux's ``VmHWM`` over the timed steps (reset to the
@@ -105,6 +106,24 @@ class PeakMemory:
             return None, None
         _release_freed_heap()
         return (_status_kib("VmRSS") - self.baseline_kib) / 2**10, None
+
+
+def step_peak_bytes(prof: torch.profiler.profile) -> int:
+    """The most bytes the CPU allocator held at once during a region profiled with
+    ``profile_memory=True``, above what it held as the region began: its memory events in
+    time order, frees of what was allocated before counted too. They see every allocation, a
+    compiled graph's and a custom op's included, at the allocator, where the resident set
+    sees pages (freed heap kept for reuse, pages touched late)."""
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

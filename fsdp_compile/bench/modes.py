@@ -77,7 +77,7 @@ from fsdp_compile.bench.comms import (
     profiled_census,
 )
 from fsdp_compile.bench.emulated_link import EmulatedLinkGroup
-from fsdp_compile.bench.memory import AllocationSites, PeakMemory
+from fsdp_compile.bench.memory import AllocationSites, PeakMemory, step_peak_bytes
 from fsdp_compile.bench.presets import (
     PRESETS,
     HFPreset,
@@ -304,6 +304,8 @@ def _run(mode: str, run: RunConfig, device: torch.device) -> dict:
         "median_step_ms": 1e3 * statistics.median(times),
         "step_ms": [1e3 * t for t in times],
         "peak_memory_mib": memory.peak_mib(),
+        # CPU: the allocator's peak over the profiled step, above what it held as it began.
+        "step_peak_mib": step_peak_bytes(prof) / 2**20 if device.type == "cpu" else None,
         "memory_measure": memory.measure,
         "held_memory_mib": held_mib,
         "held_reserved_mib": held_reserved_mib,
@@ -352,7 +354,7 @@ def _profiled_step(step, batch: tuple, device: torch.device, link) -> tuple:
     emulated = isinstance(link, EmulatedLinkGroup)
     issued_before = len(link.issued) if emulated else 0
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
-    with profile(activities=activities, record_shapes=True) as prof:
+    with profile(activities=activities, record_shapes=True, profile_memory=device.type == "cpu") as prof:
         start = time.perf_counter()
         step(*batch)
         _sync(device)

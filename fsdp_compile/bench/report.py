@@ -91,6 +91,7 @@ _COLUMNS = (
     ("peak MiB", ">9"),
     ("mem ratio", ">10"),
     ("held MiB", ">9"),
+    ("step peak MiB", ">14"),
     ("AG/step", ">8"),
     ("RS/step", ">8"),
     ("AR/step", ">8"),
@@ -113,6 +114,7 @@ def _row(r: dict) -> tuple:
         _fmt(r["peak_memory_mib"], ".1f"),
         _fmt(r["memory_vs_baseline"], ".2f"),
         _fmt(r["held_memory_mib"], ".1f"),
+        _fmt(r.get("step_peak_mib"), ".1f"),
         comms["all_gather"],
         comms["reduce_scatter"],
         comms["all_reduce"],
@@ -147,6 +149,8 @@ def print_report(document: dict) -> None:
         print(f"peak memory: {results[0]['memory_measure']} (largest over ranks)")
         held = "allocated" if results[0]["held_reserved_mib"] is not None else "resident set"
         print(f"held MiB: {held} after the last step, above the state before the model was built")
+        if results[0].get("step_peak_mib") is not None:
+            print("step peak MiB: the CPU allocator's most bytes held during the profiled step, above its start")
     for r in results:
         print(f"collectives of {r['mode']}: {r['collectives']['counted_by']}")
         kernels = r.get("profiled_kernels")
