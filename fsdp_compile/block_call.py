@@ -45,10 +45,12 @@ NOTE: one op per block call
 NOTE: a flat's copies in the block call
     A flat parameter (NOTE: flat parameters, in flat_params.py) is gathered as one tensor, its
     members are copied out of it (``split_gathered``), and their gradients are packed back
-    rank-major for its one reduce-scatter (``pack_for_reduce_scatter``). The block call copies
-    the members out around the body's frame, which takes them as its gathered weights
-    (``body_weights``, ``FlatCopy``); ``block_backward`` returns their gradients one by one,
-    and the op's autograd formula packs them, so the pack is a node of the step's graph:
+    rank-major for its one reduce-scatter (``pack_for_reduce_scatter``). The body's frame
+    takes the members as its gathered weights (``body_weights``, ``FlatCopy``): through
+    autograd the block call copies them out around the frame, and past it the step's graph
+    does, before the call (``copied_out``: NOTE: copied out before the block call, in
+    passes/copy_out_flats.py). ``block_backward`` returns their gradients one by one, and the
+    op's autograd formula packs them, so the pack is a node of the step's graph:
     - inside the frame the pack could only come out in the gathered weight's dtype (a
       compiled graph's gradient of an input takes the input's dtype), and the step would cast
       the whole gathered-size gradient to fp32 once more; in the step's graph the pass
@@ -86,33 +88,40 @@ __all__ = ["BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE", "bloc
 
 @torch.library.custom_op("fsdp_compile::block_forward", mutates_args=())
 def block_forward(
-    weights: list[Tensor], tensors: list[Tensor], call: int, rng_state: Tensor | None = None, replay: bool = False
+    weights: list[Tensor],
+    tensors: list[Tensor],
+    call: int,
+    rng_state: Tensor | None = None,
+    replay: bool = False,
+    copied_out: bool = False,
 ) -> list[Tensor]:
     """The block's outputs, then a token its backward finds the body's autograd graph by.
 
     ``rng_state`` is what the generators were at as the forward's call began (``rng_state``);
-    a recompute of the call in the backward (``replay``) draws from it again."""
+    a recompute of the call in the backward (``replay``) draws from it again. ``copied_out``:
+    ``weights`` hold each flat's members, which the step's graph copied out (NOTE: copied out
+    before the block call, in passes/copy_out_flats.py), not the gathered flats."""
     if not replay:
-        return run_forward(call_record(call), weights, tensors)
+        return run_forward(call_record(call), weights, tensors, copied_out)
     with generators_at(rng_state, (*weights, *tensors)[0].device):
-        return run_forward(call_record(call), weights, tensors)
+        return run_forward(call_record(call), weights, tensors, copied_out)
 
 
 @block_forward.register_fake
-def _(weights, tensors, call, rng_state=None, replay=False) -> list[Tensor]:
+def _(weights, tensors, call, rng_state=None, replay=False, copied_out=False) -> list[Tensor]:
     # Dynamo's call comes first and sees the user's tensors; AOTAutograd's come from below
     # autograd, where nothing requires a gradient. The fake run differentiates as they do.
     call_record(call).traced.setdefault("differentiable", [t.requires_grad for t in tensors])
-    record = _traced(call, weights, tensors)
+    record = _traced(call, weights, tensors, copied_out)
     outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in record.traced["outputs"]]
     return [*outputs, token_like([*weights, *tensors])]
 
 
-def _traced(call: int, weights: list[Tensor], tensors: list[Tensor]) -> BlockCall:
+def _traced(call: int, weights: list[Tensor], tensors: list[Tensor], copied_out: bool = False) -> BlockCall:
     """The call's record, its fake run done; a training call tells the block's flats which
     members get a gradient (see NOTE: parameters without a gradient, in block_fakes.py)."""
     record = call_record(call)
-    record.traced.update(fake_run(record, weights, tensors))
+    record.traced.update(fake_run(record, weights, tensors, copied_out))
     if record.train:
         record.block()._mfsdp_note_graded(record.traced["graded"])
     return record
@@ -138,22 +147,30 @@ BLOCK_GRADED = torch.ops.fsdp_compile.block_graded.default
 
 @torch.library.custom_op("fsdp_compile::block_backward", mutates_args=())
 def block_backward(
-    token: Tensor, weights: list[Tensor], tensors: list[Tensor], grads: list[Tensor | None], call: int
+    token: Tensor,
+    weights: list[Tensor],
+    tensors: list[Tensor],
+    grads: list[Tensor | None],
+    call: int,
+    copied_out: bool = False,
 ) -> list[Tensor]:
     """Gradients of the body's weights (a flat's members one by one: NOTE: a flat's copies in
-    the block call), then of the tensors; zeros where none flows."""
-    return run_backward(call_record(call), token, weights, tensors, grads)
+    the block call), then of the tensors; zeros where none flows. ``copied_out``: as
+    ``block_forward``'s."""
+    return run_backward(call_record(call), token, weights, tensors, grads, copied_out)
 
 
 @block_backward.register_fake
-def _(token, weights, tensors, grads, call) -> list[Tensor]:
-    return [torch.empty_like(t) for t in (*body_weights(call_record(call), weights), *tensors)]
+def _(token, weights, tensors, grads, call, copied_out=False) -> list[Tensor]:
+    return [torch.empty_like(t) for t in (*body_weights(call_record(call), weights, copied_out), *tensors)]
 
 
 def _save(ctx, inputs, output) -> None:
-    weights, tensors, ctx.call, rng_state, replay = inputs
+    weights, tensors, ctx.call, rng_state, replay, copied_out = inputs
     # The dispatcher drops trailing arguments equal to their defaults, and the backward
-    # answers for the arguments it kept.
+    # answers for the arguments it kept. Only a graph past autograd copies out (pass
+    # copy_out_flats).
+    assert not copied_out, "a block call whose flats the step copied out is not differentiated"
     ctx.kept = 2 if replay else int(rng_state is not None)
     ctx.counts = (len(weights), len(tensors))
     ctx.differentiable = [t.requires_grad for t in tensors]

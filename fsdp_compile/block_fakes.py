@@ -98,14 +98,14 @@ def _graph_nodes(outputs: list[Tensor]) -> Iterator[Any]:
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
-def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> dict:
+def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copied_out: bool = False) -> dict:
     fake_mode = torch._guards.detect_fake_mode([*weights, *tensors])
     # Static shapes give the same answer in every fake mode (Dynamo's, then AOTAutograd's):
     # one run serves both. Symbolic ones belong to their mode's shape environment.
     symbolic = any(isinstance(s, torch.SymInt) for t in (*weights, *tensors) for s in (*t.shape, *t.stride()))
     key = (call.name, call.layout, call.recipe, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
            tuple(map(str, map(tensor_metadata, weights))), tuple(map(str, map(tensor_metadata, tensors))),
-           tuple(_differentiable(call, tensors)))
+           tuple(_differentiable(call, tensors)), copied_out)
     outputs = _fake_runs(call)
     if key not in outputs:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
@@ -119,7 +119,7 @@ def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> d
             torch.autograd.set_multithreading_enabled(False),
             compiling(),
         ):
-            outputs[key] = _run_on_fakes(call, weights, tensors)
+            outputs[key] = _run_on_fakes(call, weights, tensors, copied_out)
     return outputs[key]
 
 
@@ -225,13 +225,13 @@ def _differentiable(call: BlockCall, tensors: list[Tensor]) -> list[bool]:
     return call.traced.get("differentiable") or [t.requires_grad for t in tensors]
 
 
-def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> dict:
+def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copied_out: bool) -> dict:
     """The block's Python on fake tensors: what it returns, and what its forward and backward
     cost (the backward only when the call trains)."""
     versions = [t._version for t in tensors]
     forward, backward = _RooflineCounter(), _RooflineCounter()
     with torch.no_grad(), forward:
-        inputs = body_weights(call, weights)
+        inputs = body_weights(call, weights, copied_out)
     weights_differentiate = [call.train and t.is_floating_point() for t in inputs]
     flags = [*weights_differentiate, *(call.train and d for d in _differentiable(call, tensors))]
     leaves = [t.detach().requires_grad_(d) for t, d in zip((*inputs, *tensors), flags)]
@@ -276,16 +276,16 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor])
         "differentiable_outputs": [t.requires_grad for t in flat],
         "cost": {"forward": (forward.flops, forward.bytes), "backward": (backward.flops, backward.bytes)},
         "saved_bytes": saved_bytes,
-        "held_bytes": held_bytes(call, weights),
+        "held_bytes": held_bytes(call, weights, copied_out),
         "random": forward.random,
     }
 
 
-def held_bytes(call: BlockCall, weights: list[Tensor]) -> dict[str, int]:
+def held_bytes(call: BlockCall, weights: list[Tensor], copied_out: bool = False) -> dict[str, int]:
     """What the call holds while it runs, beyond its inputs, outputs and the body's saved
     tensors: the members it copies out of its flats, in the forward and again in the backward
-    (NOTE: a flat's copies in the block call)."""
-    members = sum(w.numel() * w.element_size() for w, _ in zip(weights, call.flats))
+    (NOTE: a flat's copies in the block call); none where the step's graph copied them out."""
+    members = 0 if copied_out else sum(w.numel() * w.element_size() for w, _ in zip(weights, call.flats))
     return {"forward": members, "backward": members}
 
 

@@ -223,9 +223,12 @@ def _storage(tensor: Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def body_weights(call: BlockCall, weights: list[Tensor]) -> list[Tensor]:
+def body_weights(call: BlockCall, weights: list[Tensor], copied_out: bool = False) -> list[Tensor]:
     """What the body takes for the gathered ``weights``: each flat's members copied out, then
-    the weights on their own (NOTE: a flat's copies in the block call)."""
+    the weights on their own (NOTE: a flat's copies in the block call); ``weights`` as they
+    are where the step's graph copied them out (``copied_out``)."""
+    if copied_out:
+        return weights
     members = [m for weight, flat in zip(weights, call.flats) for m in split_gathered(weight, *flat.unpack)]
     return [*members, *weights[len(call.flats) :]]
 
@@ -245,7 +248,7 @@ def token_like(tensors: list[Tensor]) -> Tensor:
     return torch.empty(1, dtype=torch.uint8, device=tensors[0].device)
 
 
-def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
+def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copied_out: bool) -> list[Tensor]:
     if "outputs" not in call.traced:
         # Dynamo ran the call instead of tracing it: its fake run failed, and Dynamo broke the
         # graph there (a data-dependent op in the block, say), swallowing the reason.
@@ -262,11 +265,11 @@ def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -
     if not call.train:
         with torch.no_grad(), autocast_as(call.autocast):
             output = frame(
-                block, call.layout, call.recipe, side, *body_weights(call, weights), *call.leaves(tensors, stand_ins)
+                block, call.layout, call.recipe, side, *body_weights(call, weights, copied_out), *call.leaves(tensors, stand_ins)
             )
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
         return [*(t.detach() for t in outputs), token]
-    slots = [_slot(w) for w in body_weights(call, weights)]
+    slots = [_slot(w) for w in body_weights(call, weights, copied_out)]
     inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
     with autograd_inside():
         with autocast_as(call.autocast):
@@ -278,13 +281,18 @@ def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor]) -
 
 
 def run_backward(
-    call: BlockCall, token: Tensor, weights: list[Tensor], tensors: list[Tensor], grads: list[Tensor | None]
+    call: BlockCall,
+    token: Tensor,
+    weights: list[Tensor],
+    tensors: list[Tensor],
+    grads: list[Tensor | None],
+    copied_out: bool,
 ) -> list[Tensor]:
     # backward(retain_graph=True) differentiates the step again later: the body's autograd
     # graph stays for it, as the step's does.
     retained = torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
     outputs, slots, inputs = call.backend().pending.take(token, keep=retained)
-    for slot, weight in zip(slots, body_weights(call, weights)):
+    for slot, weight in zip(slots, body_weights(call, weights, copied_out)):
         slot.data = weight
     leaves = [*slots, *inputs]
     differentiable = [leaf for leaf in leaves if leaf.requires_grad]

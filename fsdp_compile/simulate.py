@@ -148,8 +148,9 @@ def peak_memory(gm: fx.GraphModule) -> int:
 def _held_by_call(node: fx.Node) -> int:
     """Bytes a block call holds while it runs that no node of the step does (0 for any other
     node): its flats' members copied out, in the forward and again in the backward
-    (``block_fakes.held_bytes``)."""
-    if node.target not in (BLOCK_FORWARD, BLOCK_BACKWARD):
+    (``block_fakes.held_bytes``), unless the step's graph copied them out (pass
+    copy_out_flats)."""
+    if node.target not in (BLOCK_FORWARD, BLOCK_BACKWARD) or node.kwargs.get("copied_out", False):
         return 0
     held = call_record(node.args[-1]).traced.get("held_bytes", {})
     return int(held.get("forward" if node.target == BLOCK_FORWARD else "backward", 0))

@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
+from fsdp_compile.passes import gather_lifetimes
 from fsdp_compile.patterns import is_collective, is_wait
 from harness import build_model, fake_process_group
 
@@ -39,25 +40,14 @@ def _graph_events(gm) -> list[str]:
     return ["issue" if is_collective(n) else "wait" for n in gm.graph.nodes if is_collective(n) or is_wait(n)]
 
 
-def _gathers_ahead(events: list[str]) -> list[int]:
-    """For each issue, how many issues came before it that were not yet waited on."""
-    ahead, open_ = [], 0
-    for event in events:
-        if event == "issue":
-            ahead.append(open_)
-            open_ += 1
-        else:
-            open_ -= 1
-    return ahead
-
-
 def _check_planned(graph, forward_events: list[str], backward_events: list[str]) -> None:
     planned_forward, planned_backward = (_graph_events(graph.compiled[r]) for r in ("forward", "backward"))
     assert backward_events == planned_backward
     assert forward_events == planned_forward
     assert planned_forward.count("issue") == len(graph.plan.buckets)
-    planned_ahead = _gathers_ahead(planned_forward)
-    assert planned_ahead[1:] == [1] * (len(planned_ahead) - 1)  # prefetch 1
+    # Prefetch 1: each gather but the first is in flight while the bucket before it computes.
+    lifetimes = gather_lifetimes(graph.compiled["forward"], graph.plan)
+    assert all(t.issue < earlier.first_use for earlier, t in zip(lifetimes, lifetimes[1:])), lifetimes
 
 
 def _called_events(run) -> list[str]:

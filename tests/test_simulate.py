@@ -61,12 +61,14 @@ def test_no_overlap_schedule_waits_right_after_each_collective(graphs):
 
 def test_a_body_call_costs_its_body(graphs):
     """The compute and the saved activations of a repeated block live in its body: compiled
-    once (regional) or inlined (regional=False), the step costs about the same compute and
-    peaks at about the same memory (within 15%: the partitioner saves and recomputes
-    differently around a body; measured 14% and 3%). A body call counted as one FLOP-less
-    node made every regional step look almost free (the 1b shape's simulated step came out at
-    112 ms against 683 ms); one whose body's saved activations went uncounted peaked 27%
-    under the whole graph here (the 1b shape: 6 GiB against 83)."""
+    once (regional) or inlined (regional=False), the step costs about the same compute
+    (within 15%: the partitioner saves and recomputes differently around a body; measured
+    14%) and peaks at about the same memory, or less by what its copy-out frees (NOTE:
+    copied out before the block call: a gathered flat fewer alive at the copy-out; measured
+    16% less, 3% before that order). A body call counted as one FLOP-less node made every
+    regional step look almost free (the 1b shape's simulated step came out at 112 ms against
+    683 ms); one whose body's saved activations went uncounted peaked 27% under the whole
+    graph here (the 1b shape: 6 GiB against 83)."""
     whole = trace_step(SHAPE, 8, batch=2, seq=64, regional=False)
     compute, peak = {}, {}
     for name, graph_list in (("regional", graphs), ("whole", whole)):
@@ -76,4 +78,4 @@ def test_a_body_call_costs_its_body(graphs):
         compute[name] = estimate.step_seconds - estimate.exposed_comm_seconds
         peak[name] = schedules["ours"].peak_bytes
     assert abs(compute["regional"] - compute["whole"]) < 0.15 * compute["whole"], compute
-    assert abs(peak["regional"] - peak["whole"]) < 0.15 * peak["whole"], peak
+    assert 0.8 * peak["whole"] < peak["regional"] < 1.15 * peak["whole"], peak

@@ -6,8 +6,8 @@ Order (see ``fsdp_compile.pipeline.build_pipeline``):
   joint graph:   constant_opaque_outputs -> lower_collectives -> pack_in_reduce_dtype -> reshard
                  -> save_block_rng
                  -> (min-cut partition)
-  partitioned:   replay_block_rng -> bucket_collectives -> schedule_collectives (forward
-                 and backward)
+  partitioned:   replay_block_rng -> bucket_collectives -> copy_out_flats
+                 -> schedule_collectives (forward and backward)
                  -> check_cuda_graph (only with options["cuda_graph"])
 """
 
@@ -15,6 +15,7 @@ from fsdp_compile.passes.bucket_collectives import bucket_collectives, check_buc
 from fsdp_compile.passes.check_cuda_graph import CudaGraphIncompatible, check_cuda_graph
 from fsdp_compile.passes.check_graph_breaks import GraphBreakUnderCudaGraph, check_graph_breaks
 from fsdp_compile.passes.check_rank_agreement import check_rank_agreement, collective_fingerprint
+from fsdp_compile.passes.copy_out_flats import check_copy_out_flats, copy_out_flats
 from fsdp_compile.passes.constant_opaque_outputs import (
     check_constant_opaque_outputs,
     constant_opaque_outputs,
@@ -63,6 +64,8 @@ __all__ = [
     "check_replay_block_rng",
     "bucket_collectives",
     "check_bucket_collectives",
+    "copy_out_flats",
+    "check_copy_out_flats",
     "schedule_collectives",
     "check_schedule_collectives",
     "gather_lifetimes",

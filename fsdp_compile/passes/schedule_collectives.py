@@ -5,15 +5,21 @@ NOTE: the planned order
     graph (the forward's order in forward, roughly its reverse in backward). With prefetch
     distance ``d`` (``options["prefetch"]``), the gather ranked ``j`` is issued where the compute
     leading to the bucket ranked ``j - d`` starts: right after the last node before that
-    bucket's first use that reads an earlier gathered bucket (the first ``d`` gathers: at the
-    start of the graph, where a backward has the loss's gradient to compute before any bucket
-    is read), so it runs on the communication stream while buckets
+    bucket's first use that reads an earlier gathered bucket (the first gather: at the start of
+    the graph, where a backward has the loss's gradient to compute before any bucket is read;
+    the next ``d``: at the first bucket's use, so the loss's gradient runs with one gather in
+    flight, as under FSDP2), so it runs on the communication stream while buckets
     ``j - d .. j - 1`` compute. The glue between two buckets (a residual add, the part of a norm
     before its weight) comes after the issue because Inductor fuses it with the next bucket's
     first use, and a fused kernel needs the wait before it: issued after the glue, the gather
     would be pushed behind the previous wait. Its wait, with the bucket's copy-out, sits right
     before the bucket's first use. The bytes alive do not grow: the buckets read before the
-    issue point are dead there. Gathers are issued in rank order (a gather whose shards are
+    issue point are dead there. Where only the getitems of a call's results lie between a
+    gather's issue and the next reduce-scatter's copy-in or gather's wait and copy-out, the
+    issue goes after those, as FSDP2 packs a layer's gradients and copies the next layer out
+    before it issues another all-gather: what they free (a gradient bucket's members, a
+    gathered flat, NOTE: copied out before the block call) is freed before another bucket is
+    gathered, and the gather still runs while that layer computes. Gathers are issued in rank order (a gather whose shards are
     ready earlier still waits for the one ranked above it), and ties anywhere are broken by
     bucket index: graphs of different ranks differ in detail (a rank left with an empty shard
     copies in differently, so its inputs sit elsewhere), yet every rank of a process group
@@ -35,6 +41,7 @@ its own kernels from it (see docs/design.md, "The order under Inductor").
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from torch import fx
@@ -198,6 +205,10 @@ def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, di
     starts = [0] * bool(gathers) + [
         _glue_start(uses[r], [p for earlier in reads[:r] for p in earlier]) for r in range(1, len(gathers))
     ]
+    # Prefetched while the first bucket computes, from its use on: what comes before it (a
+    # backward's loss gradient) runs with the first gather alone in flight, as under FSDP2,
+    # whose backward prefetch starts at the first layer's pre-backward hook.
+    ahead_of = uses[:1] + starts[1:]
     bound = plan.options.max_inflight_bytes
     issue_slot, wait_slot, distance = {}, {}, {}
     alive: list[tuple[int, int, int]] = []  # (from slot, to slot, bytes) of placed gathers
@@ -208,7 +219,7 @@ def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, di
         for k in range(min(plan.options.prefetch, rank), -1, -1):
             # Never before the gather ranked above: every rank issues them in rank order, even
             # where its graph's input positions differ (see NOTE: the planned order).
-            start = max(starts[rank - k], _earliest(group.issue, rest_index), previous)
+            start = max(ahead_of[rank - k] if k else starts[rank], _earliest(group.issue, rest_index), previous)
             peak = max(
                 sum(b for lo, hi, b in alive if lo <= s <= hi) + group.nbytes for s in range(start, last + 1)
             ) if bound is not None else 0
@@ -225,6 +236,21 @@ def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, di
         distance[group] = sum(1 for use in uses[:rank] if use >= start)  # less than k if inputs came late
         alive.append((start, last, group.nbytes))
     return issue_slot, wait_slot, distance
+
+
+def _behind_frees(gathers: list, issue_slot: dict, wait_slot: dict, frees: set[int], rest: list[fx.Node]) -> None:
+    """Each gather's issue moved down to the last slot in ``frees`` (a reduce-scatter's copy-in,
+    a gather's wait and copy-out) that only the getitems of a call's results separate it from,
+    never past its own wait, keeping the gathers in rank order: what those free is freed
+    before another bucket is gathered, and the gather waits for no compute it did not wait
+    for before (NOTE: the planned order)."""
+    previous = 0
+    for group in gathers:
+        slot = max(issue_slot[group], previous)
+        at, last = slot, len(rest) - 1
+        while at < min(wait_slot[group], last) and rest[at].target is operator.getitem:
+            at += 1
+        issue_slot[group] = previous = max((s for s in frees if slot <= s <= at), default=slot)
 
 
 def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -251,6 +277,8 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     )
     for group in scatters:
         issue_slot[group] = _earliest(group.issue, rest_index)
+    frees = {issue_slot[g] for g in scatters} | {wait_slot[g] for g in gathers}
+    _behind_frees(gathers, issue_slot, wait_slot, frees, rest)
     for i, group in enumerate(scatters):
         after_next = issue_slot[scatters[i + 1]] if i + 1 < len(scatters) else end
         # Never after a node that reads the reduced gradient and stays put (a view that also
@@ -258,8 +286,6 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         wait_slot[group] = min(after_next, _first_use(group, rest_index, end))
 
     before: list[list[fx.Node]] = [[] for _ in rest]
-    for group in sorted(gathers, key=issue_slot.get):  # first: on the critical path
-        before[issue_slot[group]].extend(group.issue)
     waited_first = set()
     for previous, group in zip([None, *scatters], scatters):
         # The previous reduce-scatter's wait, where it falls here, before this one's copy-in.
@@ -267,11 +293,20 @@ def schedule_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             before[issue_slot[group]].extend(previous.wait)
             waited_first.add(previous)
         before[issue_slot[group]].extend(group.issue)
+    # Where a gather is issued, a reduce-scatter's copy-in and a gather's wait and copy-out
+    # fall first: gradients packed and a flat copied out are freed before another bucket is
+    # gathered (NOTE: the planned order).
+    for group in sorted(gathers, key=wait_slot.get):
+        if issue_slot[group] < wait_slot[group]:
+            before[wait_slot[group]].extend(group.wait)
+    for group in sorted(gathers, key=issue_slot.get):
+        before[issue_slot[group]].extend(group.issue)
     for group in scatters:
         if group not in waited_first:
             before[wait_slot[group]].extend(group.wait)
     for group in sorted(gathers, key=wait_slot.get):
-        before[wait_slot[group]].extend(group.wait)
+        if issue_slot[group] == wait_slot[group]:
+            before[wait_slot[group]].extend(group.wait)
     output = rest[-1]
     for slot, node in enumerate(rest[:-1]):
         for placed in before[slot] + [node]:
