@@ -95,6 +95,12 @@ PRESETS: dict[str, Preset] = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         num_local_experts=4, num_experts_per_tok=2, use_cache=False,
     )),
+    # 80.6 M parameters: Mixtral's 8 experts, top 2, at hf-llama-small's width, for CPU tables.
+    "hf-mixtral-small": HFPreset("Mixtral", dict(
+        vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+        num_local_experts=8, num_experts_per_tok=2, use_cache=False,
+    )),
     # 2.4 B parameters (8 layers, 8 experts of Mixtral 8x7B's width, top 2).
     "hf-mixtral-2b": HFPreset("Mixtral", dict(
         vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
