@@ -19,11 +19,12 @@ NOTE: the planned order
     issue goes after those, as FSDP2 packs a layer's gradients and copies the next layer out
     before it issues another all-gather: what they free (a gradient bucket's members, a
     gathered flat, NOTE: copied out before the block call) is freed before another bucket is
-    gathered, and the gather still runs while that layer computes. Gathers are issued in rank order (a gather whose shards are
-    ready earlier still waits for the one ranked above it), and ties anywhere are broken by
-    bucket index: graphs of different ranks differ in detail (a rank left with an empty shard
-    copies in differently, so its inputs sit elsewhere), yet every rank of a process group
-    must issue that group's collectives in the same order, or gloo and NCCL mismatch. With
+    gathered, and the gather still runs while that layer computes. Gathers are issued in rank
+    order (a gather whose shards are ready earlier still waits for the one ranked above it), and
+    ties anywhere are broken by bucket index: graphs of different ranks differ in detail (a rank
+    left with an empty shard copies in differently, so its inputs sit elsewhere), yet every rank
+    of a process group must issue that group's collectives in the same order, or gloo and NCCL
+    mismatch. With
     ``options["max_inflight_bytes"]`` a gather's distance shrinks (down to 0) where issuing it
     earlier would push gathered bytes alive above the bound; see ``gather_lifetimes`` for how
     alive bytes are counted.
