@@ -33,9 +33,9 @@ def _weights_at(call: fx.Node) -> int:
     return 0 if is_block_forward(call) else 1
 
 
-def _flats(call: fx.Node) -> list:
-    """The gathered flats ``call`` reads, first among its weights."""
-    return call.args[_weights_at(call)][: len(call_record(call.args[-1]).flats)]
+def _copies(call: fx.Node) -> tuple:
+    """How each gathered flat ``call`` reads, first among its weights, is copied out."""
+    return call_record(call.args[-1]).flats
 
 
 def _copied_out(graph: fx.Graph, flat: fx.Node, unpack: tuple) -> list[fx.Node]:
@@ -57,24 +57,24 @@ def copy_out_flats(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards no block call reads a gathered flat: each takes the members a
     ``split_gathered`` right before it copied out (``copied_out``; NOTE: copied out before the
     block call)."""
-    calls = [n for n in gm.graph.nodes if is_block_call(n) and _flats(n) and not n.kwargs.get("copied_out")]
+    calls = [n for n in gm.graph.nodes if is_block_call(n) and _copies(n) and not n.kwargs.get("copied_out")]
     if not calls:
         return gm
     for call in calls:
-        at, record = _weights_at(call), call_record(call.args[-1])
+        at, copies = _weights_at(call), _copies(call)
         weights = call.args[at]
         with gm.graph.inserting_before(call):
-            members = [m for flat, copy in zip(weights, record.flats) for m in _copied_out(gm.graph, flat, copy.unpack)]
-        call.args = (*call.args[:at], [*members, *weights[len(record.flats) :]], *call.args[at + 1 :])
+            members = [m for flat, copy in zip(weights, copies) for m in _copied_out(gm.graph, flat, copy.unpack)]
+        call.args = (*call.args[:at], [*members, *weights[len(copies) :]], *call.args[at + 1 :])
         call.kwargs = {**call.kwargs, "copied_out": True}
         if "eager_input_vals" in call.meta:  # the values Inductor constrains the call's inputs to
             args, kwargs = call.meta["eager_input_vals"]
-            values = [m.meta["val"] for m in members] + list(args[at][len(record.flats) :])
+            values = [m.meta["val"] for m in members] + list(args[at][len(copies) :])
             call.meta["eager_input_vals"] = ((*args[:at], values, *args[at + 1 :]), {**kwargs, "copied_out": True})
     return finish(gm)
 
 
 def check_copy_out_flats(gm: fx.GraphModule, plan: Plan) -> None:
     for node in gm.graph.nodes:
-        if is_block_call(node) and call_record(node.args[-1]).flats:
+        if is_block_call(node) and _copies(node):
             assert node.kwargs.get("copied_out", False), f"{node.name} copies its flats out itself"
