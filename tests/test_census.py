@@ -18,7 +18,6 @@ the CPU allocator holds during a whole step, against FSDP2's.
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
-from fsdp_compile.bench.memory import step_peak_bytes
+from fsdp_compile.bench.memory import collector_off, step_peak_bytes
 from harness import fake_process_group
 
 transformers = pytest.importorskip("transformers")
@@ -139,15 +138,8 @@ def _step_peak(model, forward) -> int:
 
     for _ in range(3):
         step()
-    # Python's collector frees cyclic garbage whenever the process's history says: off for
-    # the step, after a collection, so the peak is the step's own.
-    gc.collect()
-    gc.disable()
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-    finally:
-        gc.enable()
+    with collector_off(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
     return step_peak_bytes(prof)
 
 

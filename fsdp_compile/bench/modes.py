@@ -77,7 +77,7 @@ from fsdp_compile.bench.comms import (
     profiled_census,
 )
 from fsdp_compile.bench.emulated_link import EmulatedLinkGroup
-from fsdp_compile.bench.memory import AllocationSites, PeakMemory, step_peak_bytes
+from fsdp_compile.bench.memory import AllocationSites, PeakMemory, collector_off, step_peak_bytes
 from fsdp_compile.bench.presets import (
     PRESETS,
     HFPreset,
@@ -354,7 +354,8 @@ def _profiled_step(step, batch: tuple, device: torch.device, link) -> tuple:
     emulated = isinstance(link, EmulatedLinkGroup)
     issued_before = len(link.issued) if emulated else 0
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
-    with profile(activities=activities, record_shapes=True, profile_memory=device.type == "cpu") as prof:
+    profiling = profile(activities=activities, record_shapes=True, profile_memory=device.type == "cpu")
+    with collector_off(), profiling as prof:
         start = time.perf_counter()
         step(*batch)
         _sync(device)
