@@ -12,6 +12,8 @@
 #     ROWS="8b mixtral" bash benchmarks/gpu_rows.sh [OUT]  # only the rows named
 #     ROWS="8b-tp 70b-tp" bash benchmarks/gpu_rows.sh [OUT]  # the tensor-parallel rows
 #     MODES=fsdp2-compile,mfsdp bash benchmarks/gpu_rows.sh [OUT]  # only the modes named
+#     MODES=fsdp2-compile,mfsdp,mfsdp-gather-whole bash benchmarks/gpu_rows.sh [OUT]
+#         # the layers gathered member by member, no copy-out (gather_whole_members)
 #     LINK=nvlink bash benchmarks/gpu_rows.sh [OUT]  # each collective takes its modeled time,
 #         its data copies on a communication stream (the bench's --emulate-link)
 #

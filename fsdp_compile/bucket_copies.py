@@ -18,7 +18,7 @@ from torch import Tensor
 from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
 
 
-def _shapes(dims: list[int], ranks: list[int]) -> list[list[int]]:
+def member_shapes(dims: list[int], ranks: list[int]) -> list[list[int]]:
     """Split the concatenated ``dims`` into shapes of ``ranks`` dimensions each (custom op
     schemas take no list of lists)."""
     shapes, start = [], 0
@@ -29,7 +29,7 @@ def _shapes(dims: list[int], ranks: list[int]) -> list[list[int]]:
 
 
 def _empty_members(buffer: Tensor, dtypes: list[int], dims: list[int], ranks: list[int]) -> list[Tensor]:
-    return [buffer.new_empty(shape, dtype=_ALL_DTYPES[d]) for shape, d in zip(_shapes(dims, ranks), dtypes)]
+    return [buffer.new_empty(shape, dtype=_ALL_DTYPES[d]) for shape, d in zip(member_shapes(dims, ranks), dtypes)]
 
 
 @torch.library.custom_op("fsdp_compile::split_gathered", mutates_args=())
@@ -57,7 +57,7 @@ def _(buffer, world, sizes, dtypes, dims, ranks) -> list[Tensor]:
 def _split_gathered_setup(ctx, inputs, output) -> None:
     buffer, ctx.world, _, _, dims, ranks = inputs
     ctx.buffer_shape = buffer.shape
-    ctx.shapes = _shapes(dims, ranks)
+    ctx.shapes = member_shapes(dims, ranks)
 
 
 def _split_gathered_backward(ctx, grads: list[Tensor | None]):

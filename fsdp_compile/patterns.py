@@ -37,6 +37,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_compile.node_meta import BUCKET, BYTES_BY_DTYPE, CARRIES, PARAM_ID, UNPACKED
 from fsdp_compile import bucket_copies as _bucket_copies  # noqa: F401  (registers its ops)
+from fsdp_compile import whole_gathers as _whole_gathers  # noqa: F401  (registers its op)
 from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD, BLOCK_GRADED, RNG_STATE
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
 from fsdp_compile.float8 import FLOAT8_CAST
@@ -50,6 +51,7 @@ ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 SPLIT_GATHERED = torch.ops.fsdp_compile.split_gathered.default
+GATHER_WHOLE_MEMBERS = torch.ops.fsdp_compile.gather_whole_members.default
 PACK_FOR_REDUCE_SCATTER = torch.ops.fsdp_compile.pack_for_reduce_scatter.default
 CONVERT_ELEMENT_TYPE = torch.ops.prims.convert_element_type.default
 
@@ -79,8 +81,16 @@ def is_marker(node: fx.Node) -> bool:
 
 
 def is_all_gather(node: fx.Node) -> bool:
-    """Either spelling: bucketed gathers write into a preallocated buffer (the ``_out`` op)."""
-    return _calls(node, ALL_GATHER) or _calls(node, ALL_GATHER_OUT)
+    """Any spelling: bucketed gathers write into a preallocated buffer (the ``_out`` op), a
+    flat gathered member by member is ``gather_whole_members`` (NOTE: members gathered whole,
+    in fsdp_compile/whole_gathers.py)."""
+    return _calls(node, ALL_GATHER) or _calls(node, ALL_GATHER_OUT) or _calls(node, GATHER_WHOLE_MEMBERS)
+
+
+def is_unbucketed_all_gather(node: fx.Node) -> bool:
+    """``all_gather_into_tensor`` itself: one sharded tensor's gather, into a tensor the
+    collective allocates (a bucket's writes into its buffer, ``_out``)."""
+    return _calls(node, ALL_GATHER)
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:

@@ -52,6 +52,10 @@ class BackendOptions:
     the blocks' bodies are compiled and the step's graphs run as Python, as FSDP2 runs a
     compiled model's root (NOTE: what Inductor compiles, in fsdp_compile/backend.py). A graph
     without repeated blocks is compiled whole either way."""
+    gather_whole_members: bool = False
+    """Gather each repeated block's flat member by member, each whole in one buffer, so the
+    block reads views of it: no copy-out after the gather (NOTE: members gathered whole, in
+    fsdp_compile/whole_gathers.py). Off by default until measured on GPUs."""
     compile_cache: bool = True
     """Read and write torch's AOTAutograd and Inductor caches (a restart loads the compiled
     graphs instead of compiling them); False, or a ``debug_dir``: compile afresh, so every
@@ -90,7 +94,7 @@ class BackendOptions:
 
 
 def _check_schedule_options(options: dict) -> None:
-    for flag in ("bucketing", "regional", "compile_outside_blocks", "compile_cache"):
+    for flag in ("bucketing", "regional", "compile_outside_blocks", "gather_whole_members", "compile_cache"):
         if not isinstance(options.get(flag, True), bool):
             raise CompileUsageError(f"options[{flag!r}] must be True or False, got {options[flag]!r}.")
     checks = {

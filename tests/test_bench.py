@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-bodies")
+MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-bodies", "mfsdp-gather-whole")
 
 
 def _run_bench(
@@ -65,10 +65,10 @@ def test_bench_cli_runs_every_mode_with_matching_losses(tmp_path):
     for kind in ("all_gather", "reduce_scatter"):
         assert mfsdp["profiled_collectives"][kind] == mfsdp["collectives"][kind], mfsdp
 
-    # One body per block, and what Inductor compiles, change how the graph is compiled, not
-    # what the step communicates.
-    assert results["mfsdp-whole"]["collectives"] == mfsdp["collectives"]
-    assert results["mfsdp-bodies"]["collectives"] == mfsdp["collectives"]
+    # One body per block, what Inductor compiles, and gathering members whole change how the
+    # graph is compiled, not what the step communicates.
+    for mode in ("mfsdp-whole", "mfsdp-bodies", "mfsdp-gather-whole"):
+        assert results[mode]["collectives"] == mfsdp["collectives"], mode
 
     reference = results["fsdp2"]["loss_step0"]
     for mode, r in results.items():

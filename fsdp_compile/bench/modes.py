@@ -1,4 +1,4 @@
-"""One bench mode, built and run: the same model, seed, data and AdamW, sharded seven ways.
+"""One bench mode, built and run: the same model, seed, data and AdamW, sharded eight ways.
 
 HF presets are built on the meta device, sharded, then materialised (each rank draws its
 own shards, the same in every mode); the others are built whole from the seed first. With
@@ -17,6 +17,9 @@ the "tp" dimension of a (dp, tp) mesh, then shards over "dp".
 - ``mfsdp-bodies``: ``mfsdp`` with ``compile_outside_blocks=False``: Inductor compiles the
   blocks' bodies only, the code outside them runs as ATen calls (NOTE: what Inductor
   compiles, in fsdp_compile/backend.py);
+- ``mfsdp-gather-whole``: ``mfsdp`` with ``gather_whole_members=True``: each layer gathered
+  member by member, read as views, no copy-out (NOTE: members gathered whole, in
+  fsdp_compile/whole_gathers.py);
 - ``mfsdp-cudagraph``: ``mfsdp`` with ``cuda_graph=True``, the whole step captured by
   ``capture_step`` (CUDA only).
 
@@ -91,7 +94,9 @@ from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_extra_missing
 from fsdp_compile.testing.models import make_batch, train_step_fn
 
-MODES = ("eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-bodies", "mfsdp-cudagraph")
+MODES = (
+    "eager", "fsdp2", "fsdp2-compile", "mfsdp", "mfsdp-whole", "mfsdp-bodies", "mfsdp-gather-whole", "mfsdp-cudagraph",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,6 +232,7 @@ def _build(mode: str, run: RunConfig, device: torch.device):
                 cuda_graph=mode == "mfsdp-cudagraph",
                 regional=mode != "mfsdp-whole",
                 compile_outside_blocks=mode != "mfsdp-bodies",
+                gather_whole_members=mode == "mfsdp-gather-whole",
                 compile_cache=bool(run.compile_cache),
             )
             forward = torch.compile(model, backend=backend)
