@@ -17,11 +17,11 @@ NOTE: members gathered whole
 
     One op, one result, one ``wait_tensor``, as a functional all-gather: the op issues the
     members' gathers and registers their completion with torch's functional-collective
-    registry for its result, so the step's graph schedules it as any gather. On CUDA the
-    members' gathers are one NCCL group (``_coalescing_manager``: one launch). Elsewhere each
-    is its own ``_allgather_base`` work, their futures joined: gloo's coalesced all-gather
-    corrupts the heap when two are in flight (``compat.gather_cpu_tensors_one_work_each``),
-    and a prefetched step always has two.
+    registry for its result, so the step's graph schedules it as any gather. The members'
+    gathers are one group (``_coalescing_manager``: on NCCL one launch; the fake process
+    group's runs it too), except on gloo, where each is its own ``_allgather_base`` work and
+    their futures are joined: gloo's coalesced all-gather corrupts the heap when two are in
+    flight (``compat.gather_cpu_tensors_one_work_each``), and a prefetched step always has two.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def gather_whole_members(shard: Tensor, group_size: int, group_name: str, sizes:
     for size in sizes:
         segments.append((out[start * group_size : (start + size) * group_size], shard[start : start + size]))
         start += size
-    if shard.is_cuda:
+    if group._get_backend(shard.device).name() != "gloo":
         with dist._coalescing_manager(group, shard.device, async_ops=True) as gathers:
             for whole, slot in segments:
                 _all_gather_single(whole, slot, group=group)
