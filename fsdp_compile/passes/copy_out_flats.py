@@ -56,6 +56,12 @@ def _copies(call: fx.Node) -> tuple:
     return call_record(call.args[-1]).flats
 
 
+def _tag_as(flat: fx.Node, nodes: tuple[fx.Node, ...]) -> None:
+    """Give ``nodes`` ``flat``'s parameter and bucket, so they move with its gather's wait."""
+    for node in nodes:
+        node.meta.update({key: flat.meta[key] for key in (PARAM_ID, BUCKET) if key in flat.meta})
+
+
 def _copied_out(graph: fx.Graph, flat: fx.Node, unpack: tuple) -> list[fx.Node]:
     """A ``split_gathered`` of ``flat`` and one getitem per member, with ``flat``'s parameter and
     bucket and their fake values."""
@@ -64,8 +70,7 @@ def _copied_out(graph: fx.Graph, flat: fx.Node, unpack: tuple) -> list[fx.Node]:
     with value.fake_mode:
         split.meta["val"] = SPLIT_GATHERED(value, *unpack)
     members = [graph.call_function(operator.getitem, (split, i)) for i in range(len(split.meta["val"]))]
-    for node in (split, *members):
-        node.meta.update({key: flat.meta[key] for key in (PARAM_ID, BUCKET) if key in flat.meta})
+    _tag_as(flat, (split, *members))
     for member, value in zip(members, split.meta["val"]):
         member.meta["val"] = value
     return members
@@ -91,8 +96,7 @@ def _gathered_whole(graph: fx.Graph, flat: fx.Node, unpack: tuple) -> list[fx.No
         split.meta["val"] = list(value.split_with_sizes(lengths))
         for piece, member, piece_value, shape in zip(pieces, members, split.meta["val"], shapes):
             piece.meta["val"], member.meta["val"] = piece_value, piece_value.view(shape)
-    for node in (split, *pieces, *members):
-        node.meta.update({key: flat.meta[key] for key in (PARAM_ID, BUCKET) if key in flat.meta})
+    _tag_as(flat, (split, *pieces, *members))
     return members
 
 
