@@ -17,19 +17,24 @@ NOTE: members gathered whole
 
     One op, one result, one ``wait_tensor``, as a functional all-gather: the op issues the
     members' gathers and registers their completion with torch's functional-collective
-    registry for its result, so the step's graph schedules it as any gather. The members'
-    gathers are one group (``_coalescing_manager``: on NCCL one launch; the fake process
-    group's runs it too), except on gloo, where each is its own ``_allgather_base`` work and
-    their futures are joined: gloo's coalesced all-gather corrupts the heap when two are in
-    flight (``compat.gather_cpu_tensors_one_work_each``), and a prefetched step always has two.
+    registry for its result, so the step's graph schedules it as any gather. On NCCL the
+    members' gathers are one group (``_coalescing_manager``: one launch; the fake process group
+    runs the same path). Elsewhere each is its own ``_allgather_base`` work, and the result's
+    work waits on each in turn (``_MemberGathers``): gloo's coalesced all-gather corrupts the
+    heap when two are in flight (``compat.gather_cpu_tensors_one_work_each``), and a
+    prefetched step always has two; a process group written in Python (the bench's emulated
+    link) has no c10d backend to coalesce with, and its works' futures need not wait for
+    their collectives, which their ``wait`` does.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import _create_work_from_future, _register_work
+from torch._C._distributed_c10d import _register_work
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = ["gather_whole_members"]
@@ -49,16 +54,42 @@ def gather_whole_members(shard: Tensor, group_size: int, group_name: str, sizes:
     for size in sizes:
         segments.append((out[start * group_size : (start + size) * group_size], shard[start : start + size]))
         start += size
-    if group._get_backend(shard.device).name() != "gloo":
+    if _coalesces(group, shard.device):
         with dist._coalescing_manager(group, shard.device, async_ops=True) as gathers:
             for whole, slot in segments:
                 _all_gather_single(whole, slot, group=group)
         (work,) = gathers.works
     else:
-        works = [_all_gather_single(whole, slot, group=group, async_op=True) for whole, slot in segments]
-        work = _create_work_from_future(torch.futures.collect_all([w.get_future() for w in works]))
+        work = _MemberGathers([_all_gather_single(whole, slot, group=group, async_op=True) for whole, slot in segments])
     _register_work(out, work)
     return out
+
+
+# The c10d backends whose coalesced all-gather is one safe group: NCCL's is one launch, the
+# fake group's is what the structure tier traces NCCL's path with.
+_COALESCING_BACKENDS = frozenset({"nccl", "fake"})
+
+
+def _coalesces(group: dist.ProcessGroup, device: torch.device) -> bool:
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:  # a process group written in Python: c10d holds no backend for it
+        return False
+    return backend.name() in _COALESCING_BACKENDS
+
+
+class _MemberGathers(dist.Work):
+    """The members' gathers as one work: waiting on it waits on each (on CUDA, the current
+    stream waits on each, as on one)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        for work in self._works:
+            work.wait(timeout)
+        return True
 
 
 @gather_whole_members.register_fake

@@ -86,11 +86,14 @@ def test_the_bench_measures_exposed_communication_on_an_emulated_link(tmp_path):
     """``--fake-world 4 --emulate-link ib``: every mode reports the time its step blocked on
     the link, and the census comes from the link itself (a Python group's collectives
     dispatch no op the profiler sees): FSDP2's 5 gathers and 3 reduce-scatters, and for
-    mfsdp the same count its compiled graphs hold."""
+    mfsdp the same count its compiled graphs hold. ``gather_whole_members`` runs on the link
+    (a Python process group, which c10d cannot coalesce for): each member its own collective,
+    the same bytes, the same losses."""
     path = tmp_path / "bench.json"
     command = [
         sys.executable, "-m", "fsdp_compile.bench", "--preset", "tiny", "--fake-world", "4",
-        "--emulate-link", "ib", "--device", "cpu", "--modes", "fsdp2,mfsdp", "--compiler", "eager",
+        "--emulate-link", "ib", "--device", "cpu", "--modes", "fsdp2,mfsdp,mfsdp-gather-whole",
+        "--compiler", "eager",
         "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "3", "--json", str(path),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -106,6 +109,10 @@ def test_the_bench_measures_exposed_communication_on_an_emulated_link(tmp_path):
     mfsdp = results["mfsdp"]
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         assert mfsdp["profiled_collectives"][kind] == mfsdp["collectives"][kind], mfsdp
+    whole, issued = results["mfsdp-gather-whole"], mfsdp["profiled_collectives"]
+    assert whole["profiled_collectives"]["all_gather"] > issued["all_gather"], whole
+    assert whole["profiled_collectives"]["all_gather_bytes"] == issued["all_gather_bytes"], whole
+    assert (whole["loss_step0"], whole["final_loss"]) == (mfsdp["loss_step0"], mfsdp["final_loss"]), whole
 
 
 _CUDA_PROBE = textwrap.dedent(

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
+from torch.profiler import ProfilerActivity, profile
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
+from fsdp_compile.bench.comms import graph_census, profiled_census
 from fsdp_compile.patterns import collective_facts, is_all_gather, is_block_call, is_split_gathered
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import build_model, fake_process_group, full_parameters, rank_batches, spawn, train
@@ -68,33 +70,51 @@ def test_inductor_hands_the_views_to_the_block_calls_without_a_copy():
         assert call.count("reinterpret_tensor(") >= 9, call
 
 
-def _trains(rank: int, world: int, reshard_after_forward: bool, param_dtype: torch.dtype | None) -> dict:
-    """Losses and full parameters after a few steps, per (compiler, gather_whole_members)."""
+_CELLS = {
+    "reshard-bf16-eager": (True, torch.bfloat16, "eager"),
+    "reshard-bf16-inductor": (True, torch.bfloat16, "inductor"),
+    "keep-fp32-eager": (False, None, "eager"),
+}
+"""(reshard_after_forward, param_dtype, compiler): gathered in bf16 or in the stored fp32, by
+the eager runner and by Inductor's code (its views); kept after forward, one gathered flat
+serves the forward's and the backward's call."""
+
+
+def _trains(rank: int, world: int) -> dict:
+    """Per cell and ``gather_whole_members``: the losses and full parameters after three
+    steps; with Inductor and the whole gathers, one more step's collectives as its graphs count
+    them and as gloo dispatched them."""
     cfg = TransformerConfig(n_layers=2)
-    policy = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32)
     results = {}
-    for compiler in ("eager", "inductor"):
+    for cell, (reshard_after_forward, param_dtype, compiler) in _CELLS.items():
         for whole in (False, True):
             torch._dynamo.reset()
+            policy = MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32)
             model = fully_shard(build_model(cfg), reshard_after_forward=reshard_after_forward, mp_policy=policy)
-            step = torch.compile(model, backend=MfsdpBackend(compiler=compiler, gather_whole_members=whole))
+            # The census reads the compiled graphs, which a step from the compile cache lacks.
+            backend = MfsdpBackend(compiler=compiler, gather_whole_members=whole, compile_cache=False)
+            step = torch.compile(model, backend=backend)
             losses = train(model, step, rank_batches(cfg, rank), steps=3)
-            results[compiler, whole] = (losses, full_parameters(model))
+            results[cell, whole] = (losses, full_parameters(model))
+            if whole and compiler == "inductor":
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    train(model, step, rank_batches(cfg, rank), steps=1)
+                results["census"] = (graph_census(backend.graphs), profiled_census(prof))
     return results
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "reshard_after_forward, param_dtype", [(True, torch.bfloat16), (False, None)], ids=["reshard-bf16", "keep-fp32"]
-)
-def test_gathering_members_whole_trains_bit_for_bit_as_the_copy_out(reshard_after_forward, param_dtype):
-    """Two gloo ranks, the eager runner and Inductor: with ``gather_whole_members`` the losses
-    and every parameter after three AdamW steps equal the copy-out's bit for bit (the same
-    bytes reach the same ops), gathered in bf16 or in the stored fp32; kept after forward, one
-    gathered flat serves the forward's and the backward's call."""
-    for results in spawn(_trains, 2, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype):
-        for compiler in ("eager", "inductor"):
-            (losses, params), (whole_losses, whole_params) = results[compiler, False], results[compiler, True]
-            assert torch.equal(losses, whole_losses), (compiler, losses, whole_losses)
+def test_gathering_members_whole_trains_bit_for_bit_as_the_copy_out_and_counts_one_gather_each():
+    """Two gloo ranks: with ``gather_whole_members`` the losses and every parameter after three
+    AdamW steps equal the copy-out's bit for bit (the same bytes reach the same ops) in every
+    cell of ``_CELLS``. The bench's profiled census counts each flat's member gathers (one
+    gloo work per member) as the one gather its graph holds, with the same bytes."""
+    for results in spawn(_trains, 2):
+        for cell in _CELLS:
+            (losses, params), (whole_losses, whole_params) = results[cell, False], results[cell, True]
+            assert torch.equal(losses, whole_losses), (cell, losses, whole_losses)
             for name, value in params.items():
-                assert torch.equal(value, whole_params[name]), (compiler, name)
+                assert torch.equal(value, whole_params[name]), (cell, name)
+        graphs, profiled = results["census"]
+        for kind in ("all_gather", "reduce_scatter", "all_gather_bytes"):  # gloo's reduce-scatter records no shapes
+            assert graphs[kind] == profiled[kind] > 0, (kind, graphs, profiled)

@@ -83,20 +83,49 @@ def graph_census(graphs: Iterable[CompiledGraph]) -> dict:
 
 
 def profiled_census(prof: profile) -> dict:
-    """Collectives the profiled step dispatched; bytes are None when an op recorded no shapes."""
+    """Collectives the profiled step dispatched; bytes are None when an op recorded no shapes.
+
+    A flat gathered member by member (``fsdp_compile::gather_whole_members``) is one gather, as
+    in the graphs, whatever c10d ops it issues (one group on NCCL, a gather per member on gloo);
+    its bytes are theirs."""
     census = _empty_census("torch.profiler: c10d ops dispatched during one step")
     for event in prof.events():
-        kind, full_arg = _C10D_OPS.get(event.name, (None, None))
-        if kind is None:
+        if _issued_by_whole_gather(event):
             continue
+        if event.name == _WHOLE_GATHER:
+            kind = "all_gather"
+            sizes = [_event_bytes(e, 0) for e in _descendants(event) if e.name == "c10d::_allgather_base_"]
+            size = None if not sizes or None in sizes else sum(sizes)
+        else:
+            kind, full_arg = _C10D_OPS.get(event.name, (None, None))
+            if kind is None:
+                continue
+            size = _event_bytes(event, full_arg)
         census[kind] += 1
         bytes_key = f"{kind}_bytes"
-        size = _event_bytes(event, full_arg)
         if size is None or census[bytes_key] is None:
             census[bytes_key] = None
         else:
             census[bytes_key] += size
     return census
+
+
+_WHOLE_GATHER = "fsdp_compile::gather_whole_members"
+
+
+def _issued_by_whole_gather(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == _WHOLE_GATHER:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _descendants(event) -> Iterable:
+    for child in event.cpu_children:
+        yield child
+        yield from _descendants(child)
 
 
 def kernel_census(prof: profile, step_ms: float, top: int = 12) -> dict:

@@ -19,7 +19,8 @@ the "tp" dimension of a (dp, tp) mesh, then shards over "dp".
   compiles, in fsdp_compile/backend.py);
 - ``mfsdp-gather-whole``: ``mfsdp`` with ``gather_whole_members=True``: each layer gathered
   member by member, read as views, no copy-out (NOTE: members gathered whole, in
-  fsdp_compile/whole_gathers.py);
+  fsdp_compile/whole_gathers.py); on ``--emulate-link`` each member is a collective of its own,
+  paying the link's latency, where NCCL runs a layer's members as one group;
 - ``mfsdp-cudagraph``: ``mfsdp`` with ``cuda_graph=True``, the whole step captured by
   ``capture_step`` (CUDA only).
 
