@@ -136,6 +136,10 @@ class RankContext:
     """Shared by the layout's ranks (dumps, checkpoints)."""
     trained: torch.nn.Module | None = None
     """``train``'s compiled model once trained: the state-dict APIs read it."""
+    trained_backend: MfsdpBackend | None = None
+    """The backend that compiled it, dumping: ``debug_dumps`` and ``bench_census`` read it."""
+    profiled_step: profile | None = None
+    """One more step of it, profiled: ``bench_census`` reads it."""
 
     @property
     def data_rank(self) -> int:
@@ -169,36 +173,35 @@ class RankContext:
 
 
 def _train(ctx: RankContext) -> dict:
-    """Compiled (the eager runner), and uncompiled: the markers run as collectives. The
-    compiled model, trained, is what the state-dict APIs save and load."""
+    """Compiled (the eager runner, dumping), and uncompiled: the markers run as collectives.
+    The compiled model, trained, is what the state-dict APIs save and load; its compile's
+    dumps and one more step of it, profiled, are what ``debug_dumps`` and ``bench_census``
+    read (a compile less for each API reading it)."""
     compiled = ctx.shard(build_model(ctx.layout.cfg))
     uncompiled = ctx.shard(build_model(ctx.layout.cfg))
+    forward, backend = ctx.compiled(compiled, debug_dir=str(ctx.folder / "dumps"))
     result = {
-        "compiled": ctx.parity(ctx.layout.cfg, compiled, ctx.compiled(compiled)[0]),
+        "compiled": ctx.parity(ctx.layout.cfg, compiled, forward),
         "uncompiled": ctx.parity(ctx.layout.cfg, uncompiled, uncompiled),
     }
-    ctx.trained = compiled
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        tokens, targets = rank_batches(ctx.layout.cfg, ctx.data_rank)(0)
+        loss_fn(forward(tokens), targets).backward()
+    compiled.zero_grad()
+    ctx.trained, ctx.trained_backend, ctx.profiled_step = compiled, backend, prof
     return result
 
 
 def _trained(ctx: RankContext) -> torch.nn.Module:
-    """The model ``train`` compiled and trained (a compile less for each API reading it)."""
+    """The model ``train`` compiled and trained."""
     if ctx.trained is None:
         raise RuntimeError("train gave no trained model (see the train cell)")
     return ctx.trained
 
 
-def _one_step(ctx: RankContext, forward) -> None:
-    tokens, targets = rank_batches(ctx.layout.cfg, ctx.data_rank)(0)
-    loss_fn(forward(tokens), targets).backward()
-
-
 def _debug_dumps(ctx: RankContext) -> dict:
-    root = ctx.folder / "dumps"
-    model = ctx.shard(build_model(ctx.layout.cfg))
-    forward, backend = ctx.compiled(model, debug_dir=str(root))
-    _one_step(ctx, forward)
-    (graph,) = backend.graphs  # the step's; each block body dumps a folder of its own
+    _trained(ctx)
+    (graph,) = ctx.trained_backend.graphs  # the step's; each block body dumps a folder of its own
     graph_folder = graph.dumper.folder
     schedule = json.loads((graph_folder / "schedule.json").read_text())
     in_graphs = sum(sum(count_collectives(gm.graph).values()) for gm in (graph.forward, graph.backward))
@@ -222,16 +225,12 @@ def _explain(ctx: RankContext) -> dict:
 
 def _bench_census(ctx: RankContext) -> dict:
     """The census the bench reports from the compiled graphs against what one profiled step
-    dispatched to c10d."""
-    model = ctx.shard(build_model(ctx.layout.cfg))
-    forward, backend = ctx.compiled(model)
-    _one_step(ctx, forward)  # compiles
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        _one_step(ctx, forward)
+    of ``train``'s compiled model dispatched to c10d."""
+    _trained(ctx)
     kinds = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
     return {
-        "graphs": {k: graph_census(backend.graphs)[k] for k in kinds},
-        "profiled": {k: profiled_census(prof)[k] for k in kinds},
+        "graphs": {k: graph_census(ctx.trained_backend.graphs)[k] for k in kinds},
+        "profiled": {k: profiled_census(ctx.profiled_step)[k] for k in kinds},
     }
 
 
