@@ -29,7 +29,8 @@ from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
 
 class _RooflineCounter(TorchDispatchMode):
     """What the cost model charges the body's ops, had they been nodes of the step
-    (fsdp_compile/schedule.py): FLOPs where torch counts them, else the bytes an op writes.
+    (fsdp_compile/schedule.py): FLOPs where torch counts them, else the bytes an op writes (a
+    view writes none).
 
     A tensor-parallel body computes on DTensors, whose ops this mode sees at their global
     shapes (tp times this rank's work): each is charged as its local pieces, the tensors
@@ -52,7 +53,7 @@ class _RooflineCounter(TorchDispatchMode):
         flops = _flops(count, args, kwargs, local) if count is not None else None
         if flops is not None:
             self.flops += flops
-        elif isinstance(local, Tensor):
+        elif isinstance(local, Tensor) and not func.is_view:
             self.bytes += local.numel() * local.element_size()
         return out
 

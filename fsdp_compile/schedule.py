@@ -7,7 +7,7 @@ cost model:
 
 - compute node: FLOPs counted by ``torch.utils.flop_counter`` on the node's fake tensors,
   divided by ``Hardware.flops``; nodes without FLOPs cost the bytes they write at
-  ``Hardware.memory_bandwidth`` (a memory-bound roofline);
+  ``Hardware.memory_bandwidth`` (a memory-bound roofline; a view writes none);
 - collective: ring alpha-beta, ``latency * (world - 1) + bytes * (world - 1) / world / link``,
   where ``bytes`` is the full-size tensor (``fsdp_compile.patterns.CollectiveFacts``); an
   all-reduce is a reduce-scatter then an all-gather, twice that;
@@ -24,6 +24,7 @@ The numbers are estimates for the named hardware, not measurements (see docs/deb
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
@@ -39,6 +40,7 @@ from fsdp_compile.patterns import (
     collective_facts,
     is_block_call,
     is_collective,
+    is_view,
     is_wait,
 )
 from fsdp_compile.block_call import BLOCK_BACKWARD
@@ -196,9 +198,13 @@ def _block_seconds(node: fx.Node, hw: Hardware) -> float:
 
 def compute_seconds(node: fx.Node, hw: Hardware) -> float:
     """Roofline time of one compute node; a repeated block's call costs its body's ops, since
-    the call is one node no counter sees into."""
+    the call is one node no counter sees into. A view, or a piece of a split, moves no bytes
+    and costs nothing: members read as views of a gathered flat (``gather_whole_members``)
+    cost what they do on a device."""
     if is_block_call(node):
         return _block_seconds(node, hw)
+    if is_view(node) or (node.target is operator.getitem and is_view(node.args[0])):
+        return 0.0
     flops = _node_flops(node)
     return flops / hw.flops if flops else _nbytes(node.meta.get("val")) / hw.memory_bandwidth
 
