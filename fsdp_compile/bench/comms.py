@@ -26,7 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import profile
 
 from fsdp_compile.backend import CompiledGraph
-from fsdp_compile.patterns import collective_facts, is_collective
+from fsdp_compile.patterns import GATHER_WHOLE_MEMBERS, collective_facts, is_collective
 from fsdp_compile.schedule import with_bodies
 
 # c10d ops by kind, with the argument that carries the full-size tensor (all-gather output,
@@ -110,7 +110,7 @@ def profiled_census(prof: profile) -> dict:
     return census
 
 
-_WHOLE_GATHER = "fsdp_compile::gather_whole_members"
+_WHOLE_GATHER = GATHER_WHOLE_MEMBERS.name()  # the name the profiler records the op by
 
 
 def _issued_by_whole_gather(event) -> bool:
