@@ -39,6 +39,9 @@ NOTE: HF's value-dependent decisions, made before the trace
 
     A padded mask or packed positions go through untouched: HF builds the mask from them in
     the graph, exactly as before, and a step with padding compiles a graph of its own. A
+    model that makes a padding mask of its own when given none (HF's BioGPT makes an all-ones
+    one) reaches the skip check with that mask, traced: HF's answer stands (masked, right for
+    any values), and the prelude says so once, naming the model. A
     step captured whole (``capture_step``) must not read values while it warms up or
     captures; inside ``inputs_unread()`` the prelude leaves the inputs as they are (HF's
     masked path, right for any values a replay brings) and says so once.
@@ -75,12 +78,17 @@ from torch import nn
 
 from fsdp_compile.backend import compiling_backend
 from fsdp_compile.hf_hooks import install_output_hooks, say_input_require_grads
+from fsdp_compile.records import built_class_name
 
 __all__ = ["is_hf_model", "install_prelude", "inputs_unread"]
 
 _MASKS = ("attention_mask", "decoder_attention_mask")
 
 _INPUTS_UNREAD = contextvars.ContextVar("mfsdp_hf_inputs_unread", default=False)
+
+_UNPADDED = contextvars.ContextVar("mfsdp_hf_unpadded", default="")
+"""The class of the HF model whose call is under way without a padding mask (none given, or
+all ones), read as its skip checks are traced; empty otherwise."""
 
 
 def _module(name: str) -> types.ModuleType | None:
@@ -168,9 +176,12 @@ def _prelude(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(self).forward
     bound, held = _decided(self, forward, args, kwargs)
     inside = _IN_PRELUDE.set(True)
+    unpadded = not _INPUTS_UNREAD.get() and all(bound.arguments.get(name) is None for name in _MASKS)
+    model = _UNPADDED.set(built_class_name(self) if unpadded else "")
     try:
         return forward(*bound.args, **bound.kwargs)
     finally:
+        _UNPADDED.reset(model)
         _IN_PRELUDE.reset(inside)
         _put_back(held)
 
@@ -301,7 +312,10 @@ def _answered_skip(original: Any) -> Any:
 
     def answered(*args: Any, **kwargs: Any) -> bool:
         q_offset = value(args, kwargs, "q_offset")
-        if value(args, kwargs, "padding_mask") is not None or isinstance(q_offset, torch.Tensor):
+        if value(args, kwargs, "padding_mask") is not None:
+            _say_own_mask()
+            return original(*args, **kwargs)
+        if isinstance(q_offset, torch.Tensor):
             return original(*args, **kwargs)
         q_length, kv_length = value(args, kwargs, length), value(args, kwargs, "kv_length")
         local = value(args, kwargs, "local_attention_size")
@@ -324,10 +338,28 @@ def _answered_bidirectional_skip(original: Any) -> Any:
 
     def answered(padding_mask: Any, kv_length: int, local_attention_size: int | None = None) -> bool:
         if padding_mask is not None:
+            _say_own_mask()
             return original(padding_mask, kv_length, local_attention_size)
         return local_attention_size is None or kv_length < local_attention_size
 
     return answered
+
+
+@torch._dynamo.assume_constant_result
+def _say_own_mask() -> None:
+    """Said once (Python's warnings keep the first), where a call given no padding reaches
+    HF's skip check with a padding mask: the model made one itself (HF's BioGPT makes an
+    all-ones one), and HF cannot read its values while tracing."""
+    model = _UNPADDED.get()
+    if model:
+        warnings.warn(
+            f"{model} makes a padding mask of its own when its call has none, and HF cannot "
+            "read that mask's values while tracing: every SDPA call compiled gets it as a mask "
+            "(no FlashAttention, no grouped-query attention), even where it holds no padding, "
+            "as the eagerly run model would not. The results are right; the causal fast path "
+            "needs the model to leave its attention_mask None when it is given none.",
+            stacklevel=2,
+        )
 
 
 _SKIP_CHECKS = (

@@ -182,6 +182,12 @@ def shard_info(param: object) -> ShardInfo | None:
     return getattr(param, "_mfsdp", None)
 
 
+def built_class_name(module: nn.Module) -> str:
+    """The name of the class ``module`` was built as, not of the subclass fully_shard gave it
+    (``gathered_reads.install_properties``)."""
+    return getattr(type(module), "_mfsdp_base", type(module)).__name__
+
+
 def is_fully_sharded(module: nn.Module) -> bool:
     return getattr(module, "_mfsdp_unit", None) is not None
 

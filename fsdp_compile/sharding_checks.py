@@ -13,12 +13,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import is_float8_weight
 from fsdp_compile.ops import STRATEGIES
-from fsdp_compile.records import ShardInfo, is_fully_sharded, shard_info
-
-
-def _class_name(module: nn.Module) -> str:
-    """The name of the class ``module`` was built as, not of the subclass fully_shard gave it."""
-    return getattr(type(module), "_mfsdp_base", type(module)).__name__
+from fsdp_compile.records import ShardInfo, built_class_name, is_fully_sharded, shard_info
 
 
 def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
@@ -43,7 +38,7 @@ def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
     if owned is not None:
         name, info = owned
         raise UsageError(
-            f"fully_shard on this {_class_name(module)} comes after fully_shard on a module "
+            f"fully_shard on this {built_class_name(module)} comes after fully_shard on a module "
             f"enclosing it, which already sharded its parameter {name!r} (unit {info.unit}) "
             "and stays its owner. Call fully_shard on submodules first, then on the root (the "
             "order FSDP2 takes too)."
@@ -274,7 +269,7 @@ def _refuse_meta_parameters(module: nn.Module, args: tuple, kwargs: dict) -> Non
     device = next((v.device for v in inputs if isinstance(v, torch.Tensor) and v.device.type != "meta"), None)
     if device is not None:
         raise UsageError(
-            f"the parameters of this {_class_name(module)} are still on the meta device, its "
+            f"the parameters of this {built_class_name(module)} are still on the meta device, its "
             f"inputs on {device}: materialise the model after fully_shard, "
             f"model.to_empty(device={device.type!r}), then load its weights "
             "(set_model_state_dict) or initialise the parameters in place (docs/user_guide.md, "

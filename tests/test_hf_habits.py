@@ -64,6 +64,11 @@ def _config(family: str, **overrides):
             vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=4,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         ),
+        "biogpt": lambda: transformers.BioGptConfig(
+            vocab_size=VOCAB, max_position_embeddings=2 * SEQ, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            activation_dropout=0.0, layerdrop=0.0,
+        ),
         "t5": lambda: transformers.T5Config(
             vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
@@ -406,6 +411,30 @@ def test_a_padded_batch_keeps_hf_mask():
         torch.compile(model, backend=backend)(**_inputs("llama", tokens, attention_mask=mask)).loss.backward()
     calls = _sdpa_calls(backend)
     assert calls and all(c["mask"] and not c["causal"] for c in calls), calls
+
+
+@pytest.mark.structure
+def test_a_mask_the_model_makes_itself_is_said_once_and_keeps_eager_results():
+    """HF's BioGPT makes an all-ones mask when given none; traced, HF cannot read its values,
+    so its SDPA calls get a mask where eager's get none. Not silent: said once, naming the
+    model, and the loss is eager's. A model that leaves the mask None says nothing."""
+    losses = {}
+    for family in ("biogpt", "llama"):
+        reference = _build(family)
+        model = copy.deepcopy(reference)
+        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+        expected = reference(**_inputs(family, tokens)).loss
+        with one_rank_group(), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            backend = MfsdpBackend(compiler="eager")
+            losses[family] = torch.compile(fully_shard(model), backend=backend)(**_inputs(family, tokens)).loss
+        assert torch.equal(losses[family], expected), family
+        own = [str(w.message) for w in said if "padding mask of its own" in str(w.message)]
+        if family == "biogpt":
+            assert len(own) == 1 and own[0].startswith("BioGptForCausalLM "), own
+            assert all(c["mask"] for c in _sdpa_calls(backend))
+        else:
+            assert not own and not any(c["mask"] for c in _sdpa_calls(backend)), own
 
 
 @pytest.mark.structure
