@@ -292,6 +292,10 @@ class MfsdpBackend:
         """The autograd graphs of the block calls whose backward has not run yet."""
         self._serial = next(_BACKEND_SERIALS)
         self._frames: dict[str, Callable] = {}
+        self.unfakeable: set[str] = set()
+        """The bodies (by name) whose block's Python could not run on fake tensors (a
+        data-dependent op): their calls are traced inline (NOTE: a block fake tensors cannot
+        run, in block_fakes.py)."""
         self._said: set[tuple[str, str]] = set()
         """What this backend said once: the frames whose graph break it said (NOTE: a graph
         break is said), an HF model traced inline (fsdp_compile/hf.py)."""

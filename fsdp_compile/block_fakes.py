@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
@@ -238,10 +240,16 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
     leaves = [t.detach().requires_grad_(d) for t, d in zip((*inputs, *tensors), flags)]
     count = len(inputs)
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
-    with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), forward:
-        output = call.body(
-            call.block(), call.layout, call.recipe, side, *leaves[:count], *call.leaves(leaves[count:], stand_ins)
-        )
+    try:
+        with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), forward:
+            output = call.body(
+                call.block(), call.layout, call.recipe, side, *leaves[:count], *call.leaves(leaves[count:], stand_ins)
+            )
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        # See NOTE: a block fake tensors cannot run.
+        call.backend().unfakeable.add(call.name)
+        _say_unfakeable(type(call.block()).__name__, error.func)
+        raise
     if any(t._version != v for t, v in zip(leaves[count:], versions)):
         raise CompileUsageError(
             f"a repeated block ({type(call.block()).__name__}) writes in place to a tensor it "
@@ -280,6 +288,31 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
         "held_bytes": held_bytes(call, weights, copied_out),
         "random": forward.random,
     }
+
+
+# NOTE: a block fake tensors cannot run
+#     A block whose forward reads tensor values (HF JetMoE's router: ``expert_size.tolist()``)
+#     cannot run on fake tensors: nothing would say its outputs, and its body cannot be
+#     compiled on its own. Its fake run, in the block call's fake kernel as Dynamo traces the
+#     step, fails; the backend keeps the body's name (``MfsdpBackend.unfakeable``), and Dynamo
+#     breaks the graph at the call and traces the frame again, where ``_block_call`` (in
+#     regions.py) finds the name: the call is traced inline, each parameter gathered by its
+#     own read, as with ``regional=False``. The step computes what eager does, with Dynamo's
+#     graph breaks in the block (each said). The backend keeps the name: another
+#     ``torch.compile`` of the model tries its bodies again.
+
+
+def _say_unfakeable(block: str, op: Any) -> None:
+    """Said once per block class and op (Python's warnings keep the first)."""
+    warnings.warn(
+        f"a repeated {block}'s forward reads tensor values ({op}: a data-dependent op, such "
+        "as a loop over the experts a router picked), which fake tensors cannot run, so its "
+        "body cannot be compiled on its own: each of its calls is traced inline in the step, "
+        "as with options={'regional': False}, with Dynamo's graph breaks there (said below). "
+        "A layer that computes without reading values (a fixed-shape expert dispatch) is "
+        "compiled once for all layers.",
+        stacklevel=2,
+    )
 
 
 def held_bytes(call: BlockCall, weights: list[Tensor], copied_out: bool = False) -> dict[str, int]:

@@ -251,12 +251,13 @@ def token_like(tensors: list[Tensor]) -> Tensor:
 def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copied_out: bool) -> list[Tensor]:
     if "outputs" not in call.traced:
         # Dynamo ran the call instead of tracing it: its fake run failed, and Dynamo broke the
-        # graph there (a data-dependent op in the block, say), swallowing the reason.
+        # graph there, swallowing the reason (one that reads tensor values is traced inline
+        # instead: NOTE: a block fake tensors cannot run, in block_fakes.py).
         raise CompileUsageError(
             f"a repeated {type(call.block()).__name__}'s body could not be run on fake tensors "
-            "while the step was traced (TORCH_LOGS=graph_breaks shows why; a data-dependent "
-            "op, such as a loop over the experts a router picked, is one cause), so it cannot "
-            "be compiled on its own. Compile with options={'regional': False}."
+            "while the step was traced (TORCH_LOGS=graph_breaks shows why; an op without a "
+            "fake kernel is one cause), so it cannot be compiled on its own. Compile with "
+            "options={'regional': False}."
         )
     frame = call.backend().frame(call.name, call.body)
     block = call.block()

@@ -158,6 +158,8 @@ def _block_call(
         return -1, True
     block = BLOCKS[block_key]
     name, body = body_for(block)
+    if name in backend.unfakeable:  # NOTE: a block fake tensors cannot run, in block_fakes.py
+        return -1, True
     values = iter(constants)
     flats = tuple(FlatCopy(unpack=unpack) for unpack, _ in RECIPES[int(recipe)][0])
     call = register_call(BlockCall(

@@ -69,6 +69,11 @@ def _config(family: str, **overrides):
             num_hidden_layers=2, num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             activation_dropout=0.0, layerdrop=0.0,
         ),
+        "jetmoe": lambda: transformers.JetMoeConfig(
+            vocab_size=VOCAB, max_position_embeddings=2 * SEQ, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, kv_channels=8,
+            num_local_experts=4, num_experts_per_tok=2,
+        ),
         "t5": lambda: transformers.T5Config(
             vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
@@ -435,6 +440,32 @@ def test_a_mask_the_model_makes_itself_is_said_once_and_keeps_eager_results():
             assert all(c["mask"] for c in _sdpa_calls(backend))
         else:
             assert not own and not any(c["mask"] for c in _sdpa_calls(backend)), own
+
+
+@pytest.mark.structure
+def test_a_block_that_reads_tensor_values_is_traced_inline_and_said_so():
+    """HF's JetMoE reads its router's counts (``expert_size.tolist()``): its layer cannot run
+    on fake tensors, so no body can be compiled for it. Before, the first step stopped with
+    an error naming ``regional=False``; now its calls are traced inline by themselves, said
+    once, and the loss is eager's, the gradients too but for the order the graph breaks sum
+    them in (one gloo rank)."""
+    reference = _build("jetmoe")
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    expected = reference(**_inputs("jetmoe", tokens)).loss
+    expected.backward()
+    with one_rank_group(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        loss = torch.compile(model, backend=backend)(**_inputs("jetmoe", tokens)).loss
+        loss.backward()
+    reads = [str(w.message) for w in said if "reads tensor values" in str(w.message)]
+    assert len(reads) == 1 and "JetMoeDecoderLayer" in reads[0], reads
+    assert not backend.bodies and torch.equal(loss, expected)
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert relative_error(grads[name], p.grad) <= 1e-6, name  # fp32 summation order
 
 
 @pytest.mark.structure
