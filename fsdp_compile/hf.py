@@ -355,9 +355,9 @@ def _say_own_mask() -> None:
         warnings.warn(
             f"{model} makes a padding mask of its own when its call has none, and HF cannot "
             "read that mask's values while tracing: every SDPA call compiled gets it as a mask "
-            "(no FlashAttention, no grouped-query attention), even where it holds no padding, "
-            "as the eagerly run model would not. The results are right; the causal fast path "
-            "needs the model to leave its attention_mask None when it is given none.",
+            "(no FlashAttention, no grouped-query attention) even where it holds no padding, "
+            "where the model run eagerly takes the causal fast path. The results are right; "
+            "the fast path needs the model to leave its attention_mask None when given none.",
             stacklevel=2,
         )
 
