@@ -46,23 +46,36 @@ def test_sharded_training_matches_unsharded_reference(world, reshard_after_forwa
     assert_parity(results)
 
 
+INDUCTOR_BOUND = 5e-5
+"""Relative error allowed after five steps where Inductor compiles: its CPU kernels sum in an
+order of their own, which depends on the CPU's vector ISA, and AdamW carries the last bits on.
+Seen on a 2-core AVX2 AMD EPYC, in ``layers.0.mlp.down.weight``: 7.9e-5 with torch's epsilon,
+1.0e-5 to 1.2e-5 with ``SUMMATION_ORDER_EPS`` (the losses within 1e-6). Five times the most
+seen, against the eager runner's ``TOLERANCE``."""
+
+
 def test_inductor_matches_unsharded_reference():
-    """The Inductor path generates kernels around the same collectives: same numbers."""
+    """The Inductor path generates kernels around the same collectives: the same numbers, with
+    AdamW's epsilon raised above the noise of another summation order
+    (harness.SUMMATION_ORDER_EPS), to ``INDUCTOR_BOUND``."""
     cfg = TransformerConfig(n_layers=2)
-    results = spawn(parity_run, 2, cfg=cfg, modes=("inductor",), reshard_after_forward=True)
-    assert_parity(results)
+    results = spawn(
+        parity_run, 2, cfg=cfg, modes=("inductor",), reshard_after_forward=True, adam_eps=SUMMATION_ORDER_EPS,
+    )
+    assert_parity(results, INDUCTOR_BOUND)
 
 
 def test_inductor_on_the_bodies_only_matches_unsharded_reference():
     """``compile_outside_blocks=False``: Inductor compiles each block's body, the rest runs as
     ATen calls (NOTE: what Inductor compiles): the same numbers, with AdamW's epsilon raised
-    above the noise of another summation order (harness.SUMMATION_ORDER_EPS)."""
+    above the noise of another summation order (harness.SUMMATION_ORDER_EPS), to
+    ``INDUCTOR_BOUND``."""
     cfg = TransformerConfig(n_layers=2)
     results = spawn(
         parity_run, 2, cfg=cfg, modes=("inductor",), reshard_after_forward=True,
         backend_options={"compile_outside_blocks": False}, adam_eps=SUMMATION_ORDER_EPS,
     )
-    assert_parity(results)
+    assert_parity(results, INDUCTOR_BOUND)
 
 
 def test_graph_break_trains_to_parity():
