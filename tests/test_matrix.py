@@ -82,10 +82,12 @@ cannot scatter a ``_StridedShard`` placement over rows that divide unevenly (an
 AssertionError in ``_StridedShard._shard_tensor``), so a full state dict (the
 ``full_state_dict`` and ``meta_init`` cells) could not be loaded with 90."""
 TP_BOUND = 5e-5
-"""Parity bound on the tensor-parallel layout. Its row-parallel ``down`` sums its halves over
-"tp" in another order than one matmul, which AdamW's division by sqrt(v) magnifies where a
-gradient is near zero: measured 1.5e-5 (``SUMMATION_ORDER_EPS``; 7.7e-5 with torch's 1e-8),
-1.3e-5 under checkpointing. A wrong split or reduction is off by far more."""
+"""Parity bound on every layout. The tensor-parallel layout's row-parallel ``down`` sums its
+halves over "tp" in another order than one matmul, which AdamW's division by sqrt(v) magnifies
+where a gradient is near zero: measured 1.5e-5 (``SUMMATION_ORDER_EPS``; 7.7e-5 with torch's
+1e-8), 1.3e-5 under checkpointing. On a 2-core AVX2 AMD EPYC the CPU's matmuls do the same to
+the dense layouts: 2.3e-5 in ``layers.2.mlp.down.weight`` on ``optim_grads_params``, the loss
+within 2e-7. A wrong split or reduction is off by far more."""
 
 
 @dataclass(frozen=True)
@@ -448,7 +450,7 @@ def _close(r: dict, *keys: str, bound: float = 1e-5) -> bool:
 
 
 def _check(api: str, layout: Layout, r: dict) -> None:
-    bound = TP_BOUND if layout.tensor_parallel else 1e-5
+    bound = TP_BOUND
     if api in ("train", "activation_checkpointing"):
         for run in ("compiled", "uncompiled"):
             assert _close(r[run], "loss_error", "param_error", bound=bound), r
