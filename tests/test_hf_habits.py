@@ -423,7 +423,6 @@ def test_a_mask_the_model_makes_itself_is_said_once_and_keeps_eager_results():
     """HF's BioGPT makes an all-ones mask when given none; traced, HF cannot read its values,
     so its SDPA calls get a mask where eager's get none. Not silent: said once, naming the
     model, and the loss is eager's. A model that leaves the mask None says nothing."""
-    losses = {}
     for family in ("biogpt", "llama"):
         reference = _build(family)
         model = copy.deepcopy(reference)
@@ -432,8 +431,8 @@ def test_a_mask_the_model_makes_itself_is_said_once_and_keeps_eager_results():
         with one_rank_group(), warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             backend = MfsdpBackend(compiler="eager")
-            losses[family] = torch.compile(fully_shard(model), backend=backend)(**_inputs(family, tokens)).loss
-        assert torch.equal(losses[family], expected), family
+            loss = torch.compile(fully_shard(model), backend=backend)(**_inputs(family, tokens)).loss
+        assert torch.equal(loss, expected), family
         own = [str(w.message) for w in said if "padding mask of its own" in str(w.message)]
         if family == "biogpt":
             assert len(own) == 1 and own[0].startswith("BioGptForCausalLM "), own
