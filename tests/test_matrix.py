@@ -494,14 +494,16 @@ def _check(api: str, layout: Layout, r: dict) -> None:
             # same order, are the tight reference (measured 1.4e-7 on 4 ranks, 6.8e-6 on HSDP,
             # where bucketed and per-parameter reductions may still round apart: 5e-5, the
             # accumulation check's HSDP bound); the one-process model checks the losses.
-            # HSDP with experts rounds apart enough for flips after two steps (the losses of
-            # the first two agree bitwise; parameters after three measured 1.9e-4 beside EP,
-            # 1.3e-3 beside EP and TP): there the first step's gradients, from equal weights
-            # (6e-8 measured), are the tight check.
+            # Under expert parallelism the router amplifies those last bits enough for flips
+            # after two steps (the losses of the first two agree bitwise; parameters after
+            # three measured 1.9e-4 on HSDP beside EP, 1.3e-3 beside EP and TP, and 1.3e-3 on
+            # EP 2 x edp 2 alone on a 2-core AMD EPYC box): there the first step's gradients,
+            # from equal weights (6e-8 measured), are the tight check, and the parameters are
+            # held to a few flips (1e-2; a wrong divisor or a lost gradient is off by 1e-1).
             assert _close(r, "eager_grad_error", bound=1e-5), r
             assert _close(r, "eager_loss_error", bound=5e-5), r
-            if not (layout.expert_parallel and layout.hsdp):
-                assert _close(r, "eager_param_error", bound=5e-5), r
+            flips = 1e-2 if layout.expert_parallel else 5e-5
+            assert _close(r, "eager_param_error", bound=flips), r
             assert _close(r, "loss_error", bound=2e-3), r
     else:
         raise AssertionError(f"no check for {api}")
