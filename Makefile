@@ -9,7 +9,7 @@ NPROC ?= 2
 LOWEST_TORCH ?= 2.11.0
 LOWEST_VENV ?= .venv-torch-lowest
 
-.PHONY: install demo test test-suite test-structure test-multirank test-lowest-torch clean
+.PHONY: install demo test test-suite test-structure test-multirank test-extended test-lowest-torch clean
 
 install: $(VENV)/.installed
 
@@ -26,7 +26,9 @@ demo: install
 
 # Tests run in a random order (pytest-randomly). Not -q: the header names the order's seed;
 # `pytest --randomly-seed=N tests` replays it, `pytest -p no:randomly tests` runs file order.
-# `make test`: the whole suite on the pinned torch, then the structure tier on the lowest.
+# `make test` (CI, 90 minutes on 2 cores): the structure, multirank and gpu tiers on the
+# pinned torch, then the bench's structure tests on the lowest. `--durations` names the
+# slowest spawning tests in CI's log.
 test: test-suite test-lowest-torch
 
 # The single-process tier runs on NPROC pytest workers (pytest-xdist): its tests are
@@ -34,7 +36,7 @@ test: test-suite test-lowest-torch
 # time, their ranks using the cores.
 test-suite: install
 	$(PY) -m pytest -m structure -n $(NPROC) tests
-	$(PY) -m pytest -m "not structure" tests
+	$(PY) -m pytest -m "multirank or gpu" --durations=25 tests
 
 # One tier, for the change at hand: the single-process tier in minutes, the spawning one.
 test-structure: install
@@ -43,14 +45,23 @@ test-structure: install
 test-multirank: install
 	$(PY) -m pytest -m multirank tests
 
+# The spawning combinations CI leaves out for time (about 21 minutes on a 2-core EPYC): run them
+# for a change to what they cover (docs/testing.md says what that is).
+test-extended: install
+	$(PY) -m pytest -m extended tests
+
 $(LOWEST_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(LOWEST_VENV)
 	$(LOWEST_VENV)/bin/python -m pip install --quiet torch==$(LOWEST_TORCH)
 	$(LOWEST_VENV)/bin/python -m pip install --quiet -e '.[test]'
 	touch $@
 
+# On the lowest torch (the GPU image's), what the GPU rows run: the bench's structure tests
+# (its presets at a fake world: HF Llama, tensor parallelism, float8, a compile-cache restart)
+# and the core passes' invariants. `LOWEST_TESTS=tests` runs the whole structure tier there.
+LOWEST_TESTS ?= tests/test_bench.py tests/test_structure.py
 test-lowest-torch: $(LOWEST_VENV)/.installed
-	$(LOWEST_VENV)/bin/python -m pytest -m structure -n $(NPROC) tests
+	$(LOWEST_VENV)/bin/python -m pytest -m structure -n $(NPROC) $(LOWEST_TESTS)
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info

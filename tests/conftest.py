@@ -1,7 +1,7 @@
 import pytest
 import torch._dynamo
 
-TIERS = {"structure", "multirank", "gpu"}
+TIERS = {"structure", "multirank", "extended", "gpu"}
 """The markers registered in pyproject.toml; `pytest -m <tier>` selects one."""
 
 
