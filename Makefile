@@ -27,7 +27,7 @@ demo: install
 # Tests run in a random order (pytest-randomly). Not -q: the header names the order's seed;
 # `pytest --randomly-seed=N tests` replays it, `pytest -p no:randomly tests` runs file order.
 # `make test` (CI, 90 minutes on 2 cores): the structure, multirank and gpu tiers on the
-# pinned torch, then the bench's structure tests on the lowest. `--durations` names the
+# pinned torch, then the bench's and test_structure's structure tests on the lowest. `--durations` names the
 # slowest spawning tests in CI's log.
 test: test-suite test-lowest-torch
 
