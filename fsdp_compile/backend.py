@@ -40,6 +40,7 @@ from fsdp_compile.patterns import is_block_call, is_block_forward, is_block_prob
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan
 from fsdp_compile.planner import build_plan
+from fsdp_compile.recompile_limit import Recompile, say_last_compile
 
 __all__ = ["mfsdp_backend", "MfsdpBackend", "CompiledGraph", "register", "compiling_backend"]
 
@@ -299,6 +300,9 @@ class MfsdpBackend:
         self._said: set[tuple[str, str]] = set()
         """What this backend said once: the frames whose graph break it said (NOTE: a graph
         break is said), an HF model traced inline (fsdp_compile/hf.py)."""
+        self.recompiles: dict[str, dict[int, Recompile]] = defaultdict(dict)
+        """Per frame this backend compiled, by Dynamo's count of that frame's compiles, what
+        that compile was for (NOTE: the recompile limit is said)."""
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         return self._compile(self.graphs, gm, example_inputs)
@@ -314,9 +318,10 @@ class MfsdpBackend:
         return [*self.graphs, *(g for bodies in self.bodies.values() for g in bodies)]
 
     def _compile(self, graphs: list[CompiledGraph], gm: fx.GraphModule, example_inputs: list):
+        owner = compiling_backend() or self
         if not self.options.cuda_graph:  # refused there, by the pipeline's check
-            _say_graph_break(gm, compiling_backend() or self)
-        _say_last_compile()
+            _say_graph_break(gm, owner)
+        say_last_compile(owner.recompiles, f"_of_backend{owner._serial}", example_inputs)
         graph = CompiledGraph(gm, example_inputs, self.options)
         graphs.append(graph)
         with missing_gradients_stay_missing():
@@ -383,39 +388,6 @@ def _say_graph_break(gm: fx.GraphModule, owner: MfsdpBackend) -> None:
         f"mfsdp: the step is not one graph. {sentence} What runs there gathers each parameter it "
         "reads on its own, with no prefetch or bucketing, and a repeated block called there runs "
         "uncompiled: the graphs are what mfsdp's plan covers.",
-        stacklevel=3,
-    )
-
-
-# NOTE: the recompile limit is said
-#     Dynamo compiles one frame at most ``torch._dynamo.config.recompile_limit`` times (8) in a
-#     process, then runs it in Python, saying so only in its log. A step's graph names its own
-#     model's parameters (their ids, its blocks' calls), so each model sharded and compiled in
-#     one process compiles the same forward again, as does each turn of gradient sync: the
-#     ninth model of one class (a notebook cell run again, a sweep in one process) would run
-#     uncompiled, gathering each parameter at each read. The compile that reaches the limit
-#     says so, with the fixes; it happens once per frame until torch.compiler.reset().
-
-
-def _say_last_compile() -> None:
-    """Warn when Dynamo compiles the frame under way for the last time (NOTE: the recompile
-    limit is said)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    compile_id = torch._guards.CompileContext.current_compile_id()
-    limit = torch._dynamo.config.recompile_limit
-    if compile_id is None or compile_id.frame_compile_id != limit - 1:
-        return
-    tx = InstructionTranslator.current_tx() if torch._guards.TracingContext.try_get() else None
-    code = getattr(tx, "f_code", None)
-    frame = f"{code.co_name} ({code.co_filename}, line {code.co_firstlineno})" if code else "a frame"
-    warnings.warn(
-        f"mfsdp: Dynamo compiles {frame} "
-        f"for the {limit}th time in this process, its limit (torch._dynamo.config.recompile_limit), "
-        "and runs it uncompiled from the next time on. Each model sharded and compiled in one "
-        "process compiles its step anew, as does each turn of set_requires_gradient_sync. "
-        "Fix: call torch.compiler.reset() before building the next model, or raise "
-        "torch._dynamo.config.recompile_limit.",
         stacklevel=3,
     )
 

@@ -1,24 +1,26 @@
-"""Shape changes recompile (Dynamo's automatic dynamic shapes) without losing parity, and runs
-are deterministic on CPU."""
+"""Shape changes recompile (Dynamo's automatic dynamic shapes) without losing parity, the compile
+that reaches Dynamo's recompile limit says what the compiles were for, and runs are
+deterministic on CPU."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.testing.models import TransformerConfig, make_batch
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import (
     build_model,
     full_parameters,
     max_param_error,
     mean_over_ranks,
+    one_rank_group,
     relative_error,
     spawn,
     train,
 )
-
-pytestmark = pytest.mark.multirank
 
 # (local batch, sequence length) per step: a batch-size change, a length change, both.
 SHAPES = [(2, 8), (3, 8), (2, 12), (3, 16), (2, 8)]
@@ -55,6 +57,7 @@ def _varying_shapes(rank, world, *, cfg):
     return results
 
 
+@pytest.mark.multirank
 def test_shape_changes_recompile_a_bounded_number_of_times_and_keep_parity():
     """Static graph first; the first batch-size change recompiles with that size dynamic, the
     first length change once more; the last step reuses a graph. Parity holds throughout.
@@ -77,6 +80,31 @@ def test_shape_changes_recompile_a_bounded_number_of_times_and_keep_parity():
         assert dynamic["frames"] == 1, result
 
 
+
+@pytest.mark.structure
+def test_the_compile_that_reaches_the_recompile_limit_says_what_the_compiles_were_for():
+    """Batches padded to their longest sequence and an evaluation under ``torch.no_grad()``
+    after each step, as HF users train: each new length and each grad mode is a compile of the
+    one frame (a size that changes compiles once more with symbolic sizes). The compile that
+    reaches Dynamo's limit (4 here, 8 by default) says so, naming both causes and their fixes,
+    and nothing of other models; so does the repeated blocks' body, a frame of its own."""
+    cfg = TransformerConfig()
+    with one_rank_group(), torch._dynamo.config.patch(recompile_limit=4):
+        model = fully_shard(build_model(cfg))
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step, seq in enumerate((8, 12)):
+                tokens, targets = make_batch(cfg, 2, seq, step, 0)
+                loss_fn(forward(tokens), targets).backward()
+                with torch.no_grad():
+                    forward(tokens)
+    said, body = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+    assert said.startswith("mfsdp: Dynamo compiles forward (") and "compiles the repeated blocks' body _region_0 (" in body
+    assert "compiled it 4 times: with gradients and without (an evaluation under torch.no_grad()), for new shapes" in said, said
+    assert "compile with dynamic=True" in said and "other torch.compile calls" not in said, said
+
+
 def _losses_and_params(rank, world, *, cfg):
     torch.manual_seed(0)
     model = fully_shard(build_model(cfg))
@@ -85,6 +113,7 @@ def _losses_and_params(rank, world, *, cfg):
     return losses, {n: p.to_local().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.multirank
 def test_same_seed_gives_bitwise_identical_runs():
     """Two runs, same seed, same data: identical losses and shards, bit for bit (CPU, gloo)."""
     cfg = TransformerConfig()
