@@ -114,6 +114,20 @@ def _keeping_block_buffers(compile_graph: Callable) -> Callable:
     return compile_keeping
 
 
+def _sweeping_pending(compiled: Callable, backend: Callable) -> Callable:
+    """``compiled``, dropping first the block calls' autograd graphs no backward can take any
+    more (``PendingGraphs.sweep``: a forward whose loss was dropped undifferentiated, as in a
+    validation pass with gradients on, would otherwise hold its activations into this step)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        owner = backend()
+        if owner is not None:
+            owner.pending.sweep()
+        return compiled(*args, **kwargs)
+
+    return run
+
+
 class CompiledGraph:
     """One graph Dynamo handed the backend, driven through every stage; it keeps the plan and
     the graph each stage produced, for inspection, dumps and tests."""
@@ -181,6 +195,8 @@ class CompiledGraph:
         keeps the compiled step in the user's module globals) they would hold a dropped
         model's memory for the life of the process."""
         compiled = self._compile_stages(example_inputs)
+        if self.calls:
+            compiled = _sweeping_pending(compiled, self.calls[0].backend)
         return self._dump_frame(compiled) if self._dump_frame else compiled
 
     def _compile_stages(self, example_inputs: list) -> Callable:

@@ -31,10 +31,12 @@ NOTE: one op per block call
       the storage (``slot.data``), the step frees the gathered weights as planned, and
       ``block_backward`` points the slots at the weights the step gathered again. Resharding
       after forward holds as in a whole-step graph.
-    - The frame's autograd graph waits for its backward in its backend's ``pending`` (``PendingGraphs``), keyed by a token
-      tensor the op returns and the step saves for backward; an entry whose token died
-      unused (a checkpointed block recomputed in backward, a forward never differentiated) is
-      dropped at a later call.
+    - The frame's autograd graph waits for its backward in its backend's ``pending``
+      (``PendingGraphs``), keyed by a token tensor the op returns and the step saves for
+      backward. A call whose token no node reads (a checkpointed block, recomputed in the
+      backward) keeps none (``differentiated=False``, pass keep_only_differentiated_calls);
+      an entry whose token died unused (a forward never differentiated) is dropped at a later
+      call.
     - A call that activation checkpointing recomputes in the backward runs the body again:
       where the body draws random numbers (dropout), the recompute must draw the forward's.
       The step's graph reads the generators' state just before such a call (``rng_state``),
@@ -94,21 +96,24 @@ def block_forward(
     rng_state: Tensor | None = None,
     replay: bool = False,
     copied_out: bool = False,
+    differentiated: bool = True,
 ) -> list[Tensor]:
     """The block's outputs, then a token its backward finds the body's autograd graph by.
 
     ``rng_state`` is what the generators were at as the forward's call began (``rng_state``);
     a recompute of the call in the backward (``replay``) draws from it again. ``copied_out``:
     ``weights`` hold each flat's members, which the step's graph copied out (NOTE: copied out
-    before the block call, in passes/copy_out_flats.py), not the gathered flats."""
+    before the block call, in passes/copy_out_flats.py), not the gathered flats.
+    ``differentiated`` False: no node reads the token (the backward recomputes the call), so
+    the body's autograd graph is not kept (pass keep_only_differentiated_calls)."""
     if not replay:
-        return run_forward(call_record(call), weights, tensors, copied_out)
+        return run_forward(call_record(call), weights, tensors, copied_out, differentiated)
     with generators_at(rng_state, (*weights, *tensors)[0].device):
-        return run_forward(call_record(call), weights, tensors, copied_out)
+        return run_forward(call_record(call), weights, tensors, copied_out, differentiated)
 
 
 @block_forward.register_fake
-def _(weights, tensors, call, rng_state=None, replay=False, copied_out=False) -> list[Tensor]:
+def _(weights, tensors, call, rng_state=None, replay=False, copied_out=False, differentiated=True) -> list[Tensor]:
     # Dynamo's call comes first and sees the user's tensors; AOTAutograd's come from below
     # autograd, where nothing requires a gradient. The fake run differentiates as they do.
     call_record(call).traced.setdefault("differentiable", [t.requires_grad for t in tensors])
@@ -166,11 +171,11 @@ def _(token, weights, tensors, grads, call, copied_out=False) -> list[Tensor]:
 
 
 def _save(ctx, inputs, output) -> None:
-    weights, tensors, ctx.call, rng_state, replay, copied_out = inputs
+    weights, tensors, ctx.call, rng_state, replay, copied_out, differentiated = inputs
     # The dispatcher drops trailing arguments equal to their defaults, and the backward
-    # answers for the arguments it kept. Only a graph past autograd copies out (pass
-    # copy_out_flats).
-    assert not copied_out, "a block call whose flats the step copied out is not differentiated"
+    # answers for the arguments it kept. Only a graph past autograd copies out or marks a
+    # call undifferentiated (passes copy_out_flats, keep_only_differentiated_calls).
+    assert not copied_out and differentiated, "a block call the step rewrote past autograd is differentiated"
     ctx.kept = 2 if replay else int(rng_state is not None)
     ctx.counts = (len(weights), len(tensors))
     ctx.differentiable = [t.requires_grad for t in tensors]

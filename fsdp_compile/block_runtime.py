@@ -84,17 +84,23 @@ def autocast_as(state: tuple) -> Iterator[None]:
 class PendingGraphs:
     """The block calls' autograd graphs from their forward until their backward takes them, by
     their token's address; a backend's (``MfsdpBackend.pending``). A token freed with no
-    backward run (a forward under ``no_grad`` of the step, an exception before the backward)
-    leaves an entry a later sweep drops."""
+    backward run (a validation forward with gradients on, an exception before the backward)
+    leaves an entry the next sweep drops: at the start of each run of a graph with block
+    calls (``CompiledGraph.compile``), so such a forward's activations live no longer than
+    until the next step begins, and whenever the entries double."""
 
     def __init__(self) -> None:
         self._graphs: dict[int, tuple] = {}
         self._sweep_at = 64
 
+    def sweep(self) -> None:
+        """Drop the entries whose token died: no backward can take them."""
+        for address in [a for a, (ref, *_) in self._graphs.items() if ref.expired()]:
+            del self._graphs[address]
+
     def keep(self, token: Tensor, entry: tuple) -> None:
         if len(self._graphs) >= self._sweep_at:
-            for address in [a for a, (ref, *_) in self._graphs.items() if ref.expired()]:
-                del self._graphs[address]
+            self.sweep()
             self._sweep_at = max(64, 2 * len(self._graphs))
         self._graphs[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), *entry)
 
@@ -248,7 +254,9 @@ def token_like(tensors: list[Tensor]) -> Tensor:
     return torch.empty(1, dtype=torch.uint8, device=tensors[0].device)
 
 
-def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copied_out: bool) -> list[Tensor]:
+def run_forward(
+    call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copied_out: bool, differentiated: bool = True
+) -> list[Tensor]:
     if "outputs" not in call.traced:
         # Dynamo ran the call instead of tracing it: its fake run failed, and Dynamo broke the
         # graph there, swallowing the reason (one that reads tensor values is traced inline
@@ -277,7 +285,10 @@ def run_forward(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], c
             output = frame(block, call.layout, call.recipe, side, *slots, *call.leaves(inputs, stand_ins))
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
     _release(slots)
-    call.backend().pending.keep(token, (outputs, slots, inputs))
+    if differentiated:
+        call.backend().pending.keep(token, (outputs, slots, inputs))
+    # Else the backward recomputes the call: its autograd graph goes with ``outputs`` here, as
+    # torch.utils.checkpoint's forward keeps nothing for the backward.
     return [*(t.detach() for t in outputs), token]
 
 

@@ -98,6 +98,10 @@ def build_pipeline(plan: Plan) -> Pipeline:
     ]
     partitioned = [
         Pass("replay_block_rng", "partitioned", passes.replay_block_rng, passes.check_replay_block_rng),
+        Pass(
+            "keep_only_differentiated_calls", "partitioned", passes.keep_only_differentiated_calls,
+            passes.check_keep_only_differentiated_calls,
+        ),
         Pass("bucket_collectives", "partitioned", passes.bucket_collectives, passes.check_bucket_collectives),
         Pass("copy_out_flats", "partitioned", passes.copy_out_flats, passes.check_copy_out_flats),
         Pass("schedule_collectives", "partitioned", passes.schedule_collectives, passes.check_schedule_collectives),

@@ -127,18 +127,20 @@ def peak_memory(gm: fx.GraphModule) -> int:
         if root.op != "placeholder":
             frees[when] = frees.get(when, 0) + _nbytes(root)
     # What a block's body keeps for its backward, which no node of the step holds: taken at
-    # its forward call (as a saved output, kept to the graph's end), held by the backward
-    # graph from its start and let go after its backward call.
+    # its forward call (as a saved output, kept to the graph's end) unless nothing will
+    # differentiate it (a call activation checkpointing recomputes), held by the backward
+    # graph from its start, or from its recompute there, and let go after its backward call.
     for i, node in enumerate(nodes):
         if node.target == BLOCK_BACKWARD:
             kept = _saved_by_body(node)
-            resident += kept
+            if not _recomputed_here(node):
+                resident += kept
             frees[i] = frees.get(i, 0) + kept
     alive = peak = resident
     for i, node in enumerate(nodes):
         if node.op == "call_function" and _storage(node) is node:
             alive += _nbytes(node)
-        if node.target == BLOCK_FORWARD:
+        if node.target == BLOCK_FORWARD and node.kwargs.get("differentiated", True):
             alive += _saved_by_body(node)
         peak = max(peak, alive + _held_by_call(node))
         alive -= frees.get(i, 0)
@@ -154,6 +156,13 @@ def _held_by_call(node: fx.Node) -> int:
         return 0
     held = call_record(node.args[-1]).traced.get("held_bytes", {})
     return int(held.get("forward" if node.target == BLOCK_FORWARD else "backward", 0))
+
+
+def _recomputed_here(backward: fx.Node) -> bool:
+    """Whether a block call's backward takes its token from a call in its own graph (the
+    recompute of a checkpointed call) rather than from the forward graph."""
+    token = backward.args[0]
+    return token.target is operator.getitem and token.args[0].target == BLOCK_FORWARD
 
 
 def _saved_by_body(node: fx.Node) -> int:

@@ -1,16 +1,21 @@
 """``torch.utils.checkpoint`` per block composes with sharding: no gathered parameter is kept
-from forward to backward across a checkpointed block. Parity, compiled and uncompiled, with
+from forward to backward across a checkpointed block, nor any activation inside one. Parity, compiled and uncompiled, with
 dropout, is the matrix's ``activation_checkpointing`` cell on every layout (tests/test_matrix.py)."""
 
 from __future__ import annotations
 
-import pytest
+import gc
+import weakref
 
-from fsdp_compile import fully_shard
-from fsdp_compile.testing.models import TransformerConfig
+import pytest
+import torch
+
+from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile.block_call import BLOCK_FORWARD
+from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives
-from harness import build_model, compile_one_step, fake_process_group
+from harness import build_model, compile_one_step, fake_process_group, one_rank_group
 
 CHECKPOINTED = TransformerConfig(checkpoint_blocks=True)
 
@@ -29,3 +34,40 @@ def test_no_gathered_parameter_is_saved_across_a_checkpointed_block(world):
     assert set(saved_gathered_params(graph.forward)) <= kept
     # Each recomputed block gathers its bucket again.
     assert count_collectives(graph.backward.graph)["all_gather"] >= CHECKPOINTED.n_layers
+
+
+def _saved_after_forward(cfg: TransformerConfig) -> tuple[int, int, MfsdpBackend]:
+    """Bytes autograd saved in one compiled forward still alive when it returns, the body
+    calls' graphs waiting for a backward then, and the backend after the backward ran."""
+    saved = []
+
+    def pack(tensor):
+        saved.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
+        return tensor
+
+    model = fully_shard(build_model(cfg))
+    backend = MfsdpBackend(compiler="eager")
+    tokens, targets = make_batch(cfg, 2, 32, 0, 0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = loss_fn(torch.compile(model, backend=backend)(tokens), targets)
+    gc.collect()
+    alive, waiting = sum(size for ref, size in saved if ref() is not None), len(backend.pending)
+    loss.backward()
+    return alive, waiting, backend
+
+
+@pytest.mark.structure
+def test_a_checkpointed_block_keeps_no_activation_from_forward_to_backward():
+    """A block call the backward recomputes keeps none of its body's autograd graph past the
+    forward (its ``differentiated=False``); it held every activation inside the blocks until
+    a later sweep, so checkpointing saved no memory. The recompute in the backward keeps
+    its graph for its backward call, which takes it."""
+    with one_rank_group():
+        checkpointed, waiting, backend = _saved_after_forward(CHECKPOINTED)
+        plain, plain_waiting, _ = _saved_after_forward(TransformerConfig())
+    (graph,) = backend.graphs
+    calls = {gm: [n.kwargs.get("differentiated", True) for n in gm.graph.nodes if n.target is BLOCK_FORWARD] for gm in (graph.forward, graph.backward)}
+    assert calls[graph.forward] == [False] * CHECKPOINTED.n_layers and calls[graph.backward] == [True] * CHECKPOINTED.n_layers, calls
+    assert waiting == 0 and len(backend.pending) == 0 and plain_waiting == CHECKPOINTED.n_layers
+    # Saved and alive without checkpointing: the blocks' activations, the shards, the inputs.
+    assert checkpointed < plain / 2, (checkpointed, plain)

@@ -30,6 +30,7 @@ from harness import (
     build_model,
     fake_process_group,
     full_parameters,
+    one_rank_group,
     parity_run,
     relative_error,
     spawn,
@@ -738,6 +739,24 @@ def test_a_step_differentiated_twice_with_retain_graph_matches_eager():
     now stay while the backward retains, and go with the last one. One gloo rank."""
     ((error, pending),) = spawn(_retained_graph_errors, 1)
     assert error < 1e-6 and pending == 0, (error, pending)
+
+
+@pytest.mark.structure
+def test_a_forward_never_differentiated_keeps_its_bodies_graphs_only_until_the_next_step():
+    """A validation forward with gradients on, its loss dropped undifferentiated, as eagerly
+    frees its autograd graph at once: the bodies' graphs it left waiting are dropped as the
+    next step's graph starts, not at a sweep dozens of calls later. One gloo rank."""
+    with one_rank_group():
+        model = fully_shard(build_model(CFG))
+        backend = MfsdpBackend(compiler="eager")
+        forward = torch.compile(model, backend=backend)
+        tokens, targets = make_batch(CFG, 2, 8, 0, 0)
+        loss_fn(forward(tokens), targets)  # validation: dropped, no backward
+        dropped = len(backend.pending)
+        loss = loss_fn(forward(tokens), targets)
+        waiting = len(backend.pending)
+        loss.backward()
+    assert (dropped, waiting, len(backend.pending)) == (CFG.n_layers, CFG.n_layers, 0)
 
 
 @pytest.mark.structure

@@ -6,7 +6,7 @@ Order (see ``fsdp_compile.pipeline.build_pipeline``):
   joint graph:   constant_opaque_outputs -> lower_collectives -> pack_in_reduce_dtype -> reshard
                  -> save_block_rng
                  -> (min-cut partition)
-  partitioned:   replay_block_rng -> bucket_collectives -> copy_out_flats
+  partitioned:   replay_block_rng -> keep_only_differentiated_calls -> bucket_collectives -> copy_out_flats
                  -> schedule_collectives (forward and backward)
                  -> check_cuda_graph (only with options["cuda_graph"])
 """
@@ -22,6 +22,10 @@ from fsdp_compile.passes.constant_opaque_outputs import (
 )
 from fsdp_compile.passes.drop_block_probes import check_drop_block_probes, drop_block_probes
 from fsdp_compile.passes.dedupe_unshards import check_dedupe_unshards, dedupe_unshards
+from fsdp_compile.passes.keep_only_differentiated_calls import (
+    check_keep_only_differentiated_calls,
+    keep_only_differentiated_calls,
+)
 from fsdp_compile.passes.lower_collectives import check_lower_collectives, lower_collectives
 from fsdp_compile.passes.pack_in_reduce_dtype import check_pack_in_reduce_dtype, pack_in_reduce_dtype
 from fsdp_compile.passes.replay_block_rng import check_replay_block_rng, replay_block_rng
@@ -62,6 +66,8 @@ __all__ = [
     "check_save_block_rng",
     "replay_block_rng",
     "check_replay_block_rng",
+    "keep_only_differentiated_calls",
+    "check_keep_only_differentiated_calls",
     "bucket_collectives",
     "check_bucket_collectives",
     "copy_out_flats",
