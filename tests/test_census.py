@@ -143,13 +143,16 @@ def _step_peak(model, forward) -> int:
     return step_peak_bytes(prof)
 
 
-def _step_model(family: str):
-    return _model(family, use_cache=False, vocab=STEP_VOCAB, hidden=256, intermediate=704, layers=3, positions=STEP_SEQ)
+def _step_model(family: str, checkpointing: bool):
+    model = _model(family, use_cache=False, vocab=STEP_VOCAB, hidden=256, intermediate=704, layers=3, positions=STEP_SEQ)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_a_step_holds_no_more_memory_than_under_fsdp2_with_per_block_compile(family):
+@pytest.mark.parametrize("family, checkpointing", [("llama", False), ("llama", True), ("mixtral", False)])
+def test_a_step_holds_no_more_memory_than_under_fsdp2_with_per_block_compile(family, checkpointing):
     """One rank of a fake world of 8, bf16 compute with fp32 reduction, AdamW: the most bytes
     the CPU allocator holds during a step, above what it held as the step began, are at most
     FSDP2 + per-block compile's (both through AOTAutograd, run by the eager FX runner, which
@@ -158,19 +161,24 @@ def test_a_step_holds_no_more_memory_than_under_fsdp2_with_per_block_compile(fam
     were packed and its copy-out made, cost 5% over FSDP2 here for Mixtral (16% with Inductor;
     NOTE: copied out before the block call, in passes/copy_out_flats.py; 1.08x for the Mixtral
     preset on an H100), and the backward's second gather issued beside the loss's gradient 7%
-    for Llama (NOTE: the planned order)."""
+    for Llama (NOTE: the planned order). With HF's ``gradient_checkpointing_enable()`` on both,
+    checkpointing must save under mfsdp what it saves under FSDP2: the forward's block calls
+    kept every activation inside the blocks, 1.34x FSDP2's peak here (docs/design.md,
+    "Activations across a checkpointed block"). They keep none now; the step still peaks at
+    1.03x FSDP2's, a gap not yet explained (not the forward calls' transient saves: running
+    them under no_grad peaks the same), so the bound there is 1.05x."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     with fake_process_group(8):
-        model = fully_shard(_step_model(family), mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        model = fully_shard(_step_model(family, checkpointing), mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
         ours = _step_peak(model, torch.compile(model, backend=MfsdpBackend(compiler="eager")))
     with fake_process_group(8):
-        model = _step_model(family)
+        model = _step_model(family, checkpointing)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fsdp2_shard(layer, mp_policy=policy)
             layer.compile(backend="aot_eager")
         fsdp2_shard(model, mp_policy=policy)
         theirs = _step_peak(model, model)
-    assert ours <= theirs, (ours / 2**20, theirs / 2**20)
+    assert ours <= (1.05 if checkpointing else 1.0) * theirs, (ours / 2**20, theirs / 2**20)
