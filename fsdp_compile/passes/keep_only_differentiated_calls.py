@@ -31,6 +31,9 @@ def keep_only_differentiated_calls(gm: fx.GraphModule, plan: Plan) -> fx.GraphMo
     for node in gm.graph.nodes:
         if is_block_forward(node) and not _token_read(node):
             node.kwargs = {**node.kwargs, "differentiated": False}
+            if "eager_input_vals" in node.meta:  # the values Inductor constrains the call's inputs to
+                args, kwargs = node.meta["eager_input_vals"]
+                node.meta["eager_input_vals"] = (args, {**kwargs, "differentiated": False})
             changed = True
     return finish(gm) if changed else gm
 
