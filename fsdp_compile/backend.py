@@ -125,7 +125,8 @@ def _sweeping_pending(compiled: Callable, backend: Callable) -> Callable:
             owner.pending.sweep()
         return compiled(*args, **kwargs)
 
-    return run
+    # What AOTAutograd's callable carries (``serialize``, ``zero_grad``...) stays readable.
+    return functools.update_wrapper(run, compiled, assigned=(), updated=("__dict__",))
 
 
 class CompiledGraph:

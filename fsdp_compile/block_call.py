@@ -113,7 +113,9 @@ def block_forward(
 
 
 @block_forward.register_fake
-def _(weights, tensors, call, rng_state=None, replay=False, copied_out=False, differentiated=True) -> list[Tensor]:
+def _(
+    weights, tensors, call, rng_state=None, replay=False, copied_out=False, differentiated=True
+) -> list[Tensor]:
     # Dynamo's call comes first and sees the user's tensors; AOTAutograd's come from below
     # autograd, where nothing requires a gradient. The fake run differentiates as they do.
     call_record(call).traced.setdefault("differentiable", [t.requires_grad for t in tensors])

@@ -255,7 +255,7 @@ def token_like(tensors: list[Tensor]) -> Tensor:
 
 
 def run_forward(
-    call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copied_out: bool, differentiated: bool = True
+    call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copied_out: bool, differentiated: bool
 ) -> list[Tensor]:
     if "outputs" not in call.traced:
         # Dynamo ran the call instead of tracing it: its fake run failed, and Dynamo broke the

@@ -16,7 +16,8 @@ __all__ = ["Recompile", "say_last_compile"]
 #     process, then runs it in Python, saying so only in its log. One model's step compiles
 #     again for each shape, grad mode and training flag it meets: HF batches padded to their
 #     longest sequence, and an evaluation under torch.no_grad() between steps, reach 8 graphs
-#     with padding or not (2 x 2 x static and symbolic). A step's graph also names its own
+#     with padding or not (2 x 2 x static and symbolic: the first length compiles static, the
+#     first change once more with symbolic sizes, later lengths reuse that). A step's graph also names its own
 #     model's parameters (their ids, its blocks' calls), so each model sharded and compiled in
 #     one process compiles the same forward again, as does each turn of gradient sync: the
 #     ninth model of one class (a notebook cell run again, a sweep in one process) would run
@@ -35,9 +36,10 @@ class Recompile:
     grad: bool
     """Gradients on (a training step) or off (an evaluation under ``torch.no_grad()``)."""
     symbolic: bool
-    """Sizes symbolic: Dynamo's automatic dynamic shapes after a size changed."""
+    """Sizes symbolic (Dynamo's automatic dynamic shapes after a size changed): the graph
+    takes them as inputs of their own."""
     shapes: str
-    """The tensor inputs' shapes (symbolic sizes by name)."""
+    """The tensor inputs' shapes, as this call's tensors have them."""
     reason: str
     """Dynamo's reason, its first failed guard as its ``recompiles`` log prints it ("" for a
     first compile, or where the release keeps none)."""
@@ -47,7 +49,7 @@ def _recompile(example_inputs: list) -> Recompile:
     metrics = torch._dynamo.utils.get_metrics_context()
     reason = getattr(metrics, "_metrics", {}).get("recompile_reason") or ""
     shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
-    symbolic = any(isinstance(s, torch.SymInt) for shape in shapes for s in shape)
+    symbolic = any(isinstance(value, torch.SymInt) for value in example_inputs)
     return Recompile(torch.is_grad_enabled(), symbolic, repr(shapes), " ".join(reason.split()))
 
 
@@ -60,13 +62,15 @@ def _what_compiles_were_for(compiles: list[Recompile], limit: int) -> str:
         kinds.append("for new shapes or inputs (a changed size compiles once more with symbolic sizes)")
     if len({(c.grad, c.symbolic, c.shapes) for c in compiles}) < len(compiles):
         reasons = dict.fromkeys(c.reason.split(": ", 1)[-1] for c in compiles if c.reason)
-        kinds.append(f"for other guards (Dynamo's last: {'; '.join(reasons)}; TORCH_LOGS=recompiles names each)")
+        named = f"Dynamo's first failed guards: {'; '.join(reasons)}; " if reasons else ""
+        kinds.append(f"for other guards ({named}TORCH_LOGS=recompiles names each)")
     said = f" This torch.compile call compiled it {len(compiles)} time{'s' if len(compiles) > 1 else ''}"
     said += f": {', '.join(kinds)}." if kinds else "."
-    if len(compiles) < limit:
+    others = limit - len(compiles)
+    if others:
         said += (
-            f" The other {limit - len(compiles)} were other torch.compile calls': each model "
-            "sharded and compiled in one process compiles its step anew."
+            f" The other {others} {'were' if others > 1 else 'was'} other torch.compile calls': "
+            "each model sharded and compiled in one process compiles its step anew."
         )
     return said
 
@@ -87,6 +91,8 @@ def say_last_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: s
     body, of_backend, rest = frame.partition(f"{body_suffix} ")
     if of_backend:
         frame = f"the repeated blocks' body {body} {rest}"
+    if compile_id.frame_compile_id == 0:  # the frame's first compile since torch.compiler.reset()
+        recompiles[frame].clear()
     recompiles[frame][compile_id.frame_compile_id] = _recompile(example_inputs)
     limit = torch._dynamo.config.recompile_limit
     if compile_id.frame_compile_id != limit - 1:

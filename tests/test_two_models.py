@@ -129,5 +129,5 @@ def test_the_compile_that_reaches_dynamo_s_recompile_limit_says_so_with_the_fix(
                 loss_fn(torch.compile(model, backend=backends[-1])(tokens), targets).backward()
     said = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
     assert len(said) == 1 and "forward" in said[0] and "torch.compiler.reset()" in said[0], said
-    assert "compiled it 1 time. The other 1 were other torch.compile calls'" in said[0], said
+    assert "compiled it 1 time. The other 1 was other torch.compile calls'" in said[0], said
     assert all(len(b.graphs) == 1 for b in backends)
