@@ -35,8 +35,8 @@ NOTE: one op per block call
       (``PendingGraphs``), keyed by a token tensor the op returns and the step saves for
       backward. A call whose token no node reads (a checkpointed block, recomputed in the
       backward) keeps none (``differentiated=False``, pass keep_only_differentiated_calls);
-      an entry whose token died unused (a forward never differentiated) is dropped at a later
-      call.
+      an entry whose token died unused (a forward never differentiated) is dropped as the
+      next step's graph starts.
     - A call that activation checkpointing recomputes in the backward runs the body again:
       where the body draws random numbers (dropout), the recompute must draw the forward's.
       The step's graph reads the generators' state just before such a call (``rng_state``),

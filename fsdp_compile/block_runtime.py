@@ -87,11 +87,10 @@ class PendingGraphs:
     backward run (a validation forward with gradients on, an exception before the backward)
     leaves an entry the next sweep drops: at the start of each run of a graph with block
     calls (``CompiledGraph.compile``), so such a forward's activations live no longer than
-    until the next step begins, and whenever the entries double."""
+    until the next step begins."""
 
     def __init__(self) -> None:
         self._graphs: dict[int, tuple] = {}
-        self._sweep_at = 64
 
     def sweep(self) -> None:
         """Drop the entries whose token died: no backward can take them."""
@@ -99,9 +98,6 @@ class PendingGraphs:
             del self._graphs[address]
 
     def keep(self, token: Tensor, entry: tuple) -> None:
-        if len(self._graphs) >= self._sweep_at:
-            self.sweep()
-            self._sweep_at = max(64, 2 * len(self._graphs))
         self._graphs[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), *entry)
 
     def take(self, token: Tensor, keep: bool) -> tuple:

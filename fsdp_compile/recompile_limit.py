@@ -17,11 +17,12 @@ __all__ = ["Recompile", "say_last_compile"]
 #     again for each shape, grad mode and training flag it meets: HF batches padded to their
 #     longest sequence, and an evaluation under torch.no_grad() between steps, reach 8 graphs
 #     with padding or not (2 x 2 x static and symbolic: the first length compiles static, the
-#     first change once more with symbolic sizes, later lengths reuse that). A step's graph also names its own
-#     model's parameters (their ids, its blocks' calls), so each model sharded and compiled in
-#     one process compiles the same forward again, as does each turn of gradient sync: the
-#     ninth model of one class (a notebook cell run again, a sweep in one process) would run
-#     uncompiled, gathering each parameter at each read. The compile that reaches the limit
+#     first change once more with symbolic sizes, later lengths reuse that). A step's graph
+#     also names its own model's parameters (their ids, its blocks' calls), so each model
+#     sharded and compiled in one process compiles the same forward again, as does each turn
+#     of gradient sync: the ninth model of one class (a notebook cell run again, a sweep in
+#     one process) would run uncompiled, gathering each parameter at each read. The compile
+#     that reaches the limit
 #     says so, with what this torch.compile call's compiles of the frame were for (grad mode,
 #     shapes or inputs, other guards by Dynamo's reasons, other torch.compile calls) and the
 #     fix for each kind; it happens once per frame until torch.compiler.reset(). Dynamo's own
