@@ -4,6 +4,7 @@ deterministic on CPU."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -100,7 +101,9 @@ def test_the_compile_that_reaches_the_recompile_limit_says_what_the_compiles_wer
                 with torch.no_grad():
                     forward(tokens)
     said, body = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
-    assert said.startswith("mfsdp: Dynamo compiles forward (") and "compiles the repeated blocks' body _region_0 (" in body
+    # The body's number counts the blocks this process registered before: any order of tests.
+    assert said.startswith("mfsdp: Dynamo compiles forward (")
+    assert re.search(r"compiles the repeated blocks' body _region_\d+ \(", body), body
     assert "compiled it 4 times: with gradients and without (an evaluation under torch.no_grad()), for new shapes" in said, said
     assert "compile with dynamic=True" in said and "other torch.compile calls" not in said, said
 
