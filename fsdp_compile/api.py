@@ -45,9 +45,9 @@ from fsdp_compile.records import (
     shard_info,
     unit_name,
 )
+from fsdp_compile.outermost_unit import install_outermost_hook
 from fsdp_compile.regions import install_regions
 from fsdp_compile.sharding_checks import (
-    check_materialised_at_the_outermost_unit,
     check_module,
     check_strategy,
     check_tensor_parallel,
@@ -174,7 +174,7 @@ def fully_shard(
     wrapped units and keeps the root's own, as FSDP2 keeps its root (NOTE: the reshard
     default). ``mp_policy`` sets the dtypes of the gather and of the gradient reduction. A
     model built on the meta device is materialised after this call (``module.to_empty``); a
-    forward on real inputs before that is refused (``sharding_checks._refuse_meta_parameters``).
+    forward on real inputs before that is refused (``sharding_checks.refuse_meta_parameters``).
 
     Modules marked ``expert_parallel_enabled = True`` are owned by expert parallelism over
     ``expert_mesh`` (``fsdp_compile.expert_mesh``; see fsdp_compile/expert_parallel.py and
@@ -224,7 +224,7 @@ def fully_shard(
         sharded[key] = _shard(param, mesh, _placements(strategy, mesh), info, values)
     _swap_in(module, sharded)
     _reshard_wrapped_units(module)
-    check_materialised_at_the_outermost_unit(module)
+    install_outermost_hook(module)
     install_regions(module)
     # An HF model decides its attention masks from its inputs' values before Dynamo traces
     # it (NOTE: HF's value-dependent decisions, made before the trace, in hf.py).

@@ -37,6 +37,15 @@ NOTE: flat parameters
     autograd's own: ``zero_grad``, accumulation over several backwards, a member also read
     outside its block.
 
+    NOTE: requires_grad after fully_shard
+    Freezing or unfreezing parameters between steps (a backbone frozen for the first epochs,
+    layers unfrozen one by one) must train what eager would. A flat requires a gradient when
+    any of its members does (``follow_members``, run before each forward of the outermost unit,
+    fsdp_compile/outermost_unit.py): Dynamo guards on the flat's flag, so a block all frozen
+    or unfrozen recompiles the step and a frozen block costs no backward. A member frozen
+    beside trainable ones shares their flat's gradient; the hand-out leaves its ``.grad`` as
+    autograd leaves a frozen leaf's, so neither the optimizer nor weight decay touches it.
+
     What would break the link is caught: ``nn.Module._apply`` (``to_empty``, ``.to``) would
     give members new storage of their own, so the region's ``_apply`` converts the flat
     instead and links the members to the result (``converted_flat``); a member
@@ -200,10 +209,23 @@ def _new_flat(local: torch.Tensor, members: list[nn.Parameter], info: ShardInfo,
     flat._mfsdp_members = linked
     for member in linked:
         member.param._mfsdp_flat = flat
-    if flat.requires_grad:
-        flat.register_post_accumulate_grad_hook(_hand_out_grads)
+    flat._mfsdp_hands_out = False
+    follow_members(flat)
     torch._dynamo.mark_static(flat)
     return flat
+
+
+def follow_members(flat: nn.Parameter) -> None:
+    """Make ``flat`` require a gradient exactly when one of its members does (see NOTE:
+    requires_grad after fully_shard): run before each forward of the outermost unit, so a
+    member frozen or unfrozen since is what the next step reads, and Dynamo's guard on the
+    flat's flag recompiles a step traced under the other."""
+    wanted = any(member.param.requires_grad for member in flat._mfsdp_members)
+    if flat.requires_grad != wanted:
+        flat.requires_grad_(wanted)
+    if wanted and not flat._mfsdp_hands_out:
+        flat.register_post_accumulate_grad_hook(_hand_out_grads)
+        flat._mfsdp_hands_out = True
 
 
 def make_flat(members: list[nn.Parameter], *, param_id: int, fqn: str, names: tuple[str, ...]) -> nn.Parameter:
@@ -270,9 +292,11 @@ def _hand_out_grads(flat: nn.Parameter) -> None:
     graded = graded or (True,) * len(flat._mfsdp_members)
     with torch.no_grad():
         for member, has_grad in zip(flat._mfsdp_members, graded):
-            if not has_grad:
-                continue
             param = member.param
+            # A member frozen beside trainable ones shares their flat's gradient, not autograd's
+            # answer: it keeps its .grad as a frozen leaf does.
+            if not has_grad or not param.requires_grad:
+                continue
             # The cheap constructor: the member's own spec (mesh, placements, global shape).
             piece = DTensor(grad[member.offset : member.offset + member.numel].view(member.local_shape), param._spec, requires_grad=False)
             if param.grad is None:

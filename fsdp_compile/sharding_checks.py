@@ -240,19 +240,7 @@ def check_strategy(
     return reshard_after_forward if strategy == "optim_grads_params" else False
 
 
-def check_materialised_at_the_outermost_unit(module: nn.Module) -> None:
-    """``_refuse_meta_parameters`` runs before the forward of ``module``, and no longer before
-    those of the units inside it: once a step, from the module it is called on."""
-    for unit_module in module.modules():
-        handle = unit_module.__dict__.pop("_mfsdp_meta_check", None)
-        if handle is not None:
-            handle.remove()
-    module._mfsdp_meta_check = module.register_forward_pre_hook(
-        _refuse_meta_parameters, prepend=True, with_kwargs=True
-    )
-
-
-def _refuse_meta_parameters(module: nn.Module, args: tuple, kwargs: dict) -> None:
+def refuse_meta_parameters(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse a forward on real inputs while the parameters are still on the meta device.
 
     A model built under ``torch.device("meta")`` and sharded is materialised with

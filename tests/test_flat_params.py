@@ -22,6 +22,7 @@ from harness import (
     compile_one_step,
     fake_process_group,
     global_batch,
+    one_rank_group,
     relative_error,
     spawn,
 )
@@ -211,6 +212,69 @@ def test_a_block_traced_inline_keeps_none_for_a_member_without_gradient(compiled
             forward(torch.randn(4, 8)).backward()
     grads = {n: p.grad is not None for n, p in model.named_parameters()}
     assert grads == {n: "idle" not in n for n in grads}, grads
+
+
+def _freeze_layer(model, step):
+    model.layers[0].requires_grad_(False)  # after fully_shard: a whole block's flat
+
+
+def _unfreeze(model, step):
+    model.requires_grad_(True)
+
+
+def _freeze_one_member(model, step):
+    model.layers[1].attn.wo._parameters["weight"].requires_grad_(False)  # beside trainable ones
+
+
+# Before each step, what a fine-tuning recipe changes: a block frozen from the start, then
+# unfrozen, then one member of a block frozen beside the others, then a block frozen again.
+_FREEZING = {0: _freeze_layer, 1: _unfreeze, 2: _freeze_one_member, 3: _freeze_layer}
+
+
+def _train_freezing(model, forward) -> list:
+    """Four AdamW steps (weight decay on) under ``_FREEZING``: per step, the loss and each
+    parameter's gradient (None where autograd gives none), gathered."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    steps = []
+    for step, change in _FREEZING.items():
+        change(model, step)
+        tokens, targets = make_batch(CFG, 2, 8, step, 0)
+        loss = loss_fn(forward(tokens), targets)
+        loss.backward()
+        grads = {
+            n: None if p.grad is None else (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for n, p in model.named_parameters()
+        }
+        opt.step()
+        opt.zero_grad()
+        steps.append((loss.detach(), grads))
+    return steps
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_parameters_frozen_and_unfrozen_after_sharding_train_as_unsharded(compiled):
+    """requires_grad changed between steps, after fully_shard, is what the next step trains:
+    a frozen block's parameters and a frozen member beside trainable ones keep ``.grad is
+    None`` (not decayed), an unfrozen block trains again, step for step as the unsharded
+    model, compiled (each block's flip a recompile) and uncompiled. Both trained the frozen
+    members with their flat before (NOTE: requires_grad after fully_shard)."""
+    reference = build_model(CFG)
+    expected = _train_freezing(reference, reference)
+    with one_rank_group():
+        model = fully_shard(build_model(CFG))
+        backend = MfsdpBackend(compiler="eager")
+        got = _train_freezing(model, torch.compile(model, backend=backend) if compiled else model)
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    for step, ((loss, grads), (want_loss, want)) in enumerate(zip(got, expected)):
+        assert torch.equal(loss, want_loss), (step, loss, want_loss)
+        assert {n for n, g in grads.items() if g is None} == {n for n, g in want.items() if g is None}, step
+        for name, grad in grads.items():
+            assert grad is None or torch.allclose(grad, want[name], rtol=1e-5, atol=1e-7), (step, name)
+    for name, param in reference.named_parameters():
+        assert torch.allclose(params[name], param.detach(), rtol=1e-5, atol=1e-7), name
+    if compiled:  # all trainable, layer 0 frozen, then all again: the first graph serves
+        assert len(backend.graphs) <= 3, len(backend.graphs)
 
 
 @pytest.mark.multirank
