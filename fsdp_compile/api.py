@@ -166,8 +166,8 @@ def fully_shard(
     ``sharding_checks._check_mesh_holds_every_rank``). Call it on submodules first (each call is a unit, a
     bucketing hint), then on the root; a call on a submodule after its root is refused.
     Parameters become DTensors (``Shard(0)``, or ``Replicate()`` for no_shard) holding this
-    rank's rows; buffers stay replicated. Reads of a sharded attribute return the full tensor,
-    gathered; its gradient is averaged over the mesh and lands as ``.grad`` with the
+    rank's rows; buffers stay replicated. Reads of a sharded attribute in a forward return the
+    full tensor, gathered (between steps, the parameter itself, as under FSDP2); its gradient is averaged over the mesh and lands as ``.grad`` with the
     parameter's placements. ``reshard_after_forward`` (ZeRO-3 only) frees the gathered
     parameter after forward and gathers again in backward: ``True`` for every parameter of the
     unit, ``False`` for none; the default ``None`` frees those in repeated blocks and in

@@ -1,9 +1,18 @@
-"""Reading a sharded attribute returns the parameter gathered: the class swap, the getter, the
-``unshard`` marker's call, and the gradient-accumulation state the marker takes.
+"""Reading a sharded attribute in a forward returns the parameter gathered: the class swap,
+the getter, the ``unshard`` marker's call, and the gradient-accumulation state the marker takes.
 
 ``fully_shard`` swaps a module's class for a generated subclass whose property for each sharded
 name returns ``unshard(param.to_local())`` (see NOTE: why markers, in docs/design.md); a repeated
 block's body (regions.py) calls the same marker for the weights it gathers.
+
+NOTE: reads outside a forward
+    Between steps a read returns the parameter itself, the sharded DTensor, as under FSDP2:
+    what a program does there writes the parameter (``nn.init.normal_(module.weight)`` in a
+    model's ``init_weights`` after ``to_empty``, ``module.weight.requires_grad = False``), and
+    on a gathered copy it would be lost without a word. A read is in a forward while the
+    model's outermost unit runs its forward (``ReadScope``, entered by its hooks,
+    fsdp_compile/outermost_unit.py), while autograd runs a backward (a checkpointed block
+    recomputed), and whenever Dynamo traces.
 """
 
 from __future__ import annotations
@@ -19,7 +28,10 @@ from fsdp_compile.float8 import float8_weight
 from fsdp_compile.records import ShardInfo, gathered_params, shard_info
 
 
-__all__ = ["set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "gather"]
+__all__ = [
+    "set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "gather", "ReadScope",
+    "in_a_forward",
+]
 
 
 def marker_args(info: ShardInfo, stored_dtype: torch.dtype) -> tuple:
@@ -71,8 +83,28 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
         raise RuntimeError(f"gathering parameter {info.fqn} failed: {error}") from error
 
 
+class ReadScope:
+    """How many forwards of one model run now (see NOTE: reads outside a forward): shared by
+    every module of the model whose attributes read gathered, owned by them."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+def in_a_forward(module: nn.Module) -> bool:
+    """Whether a read of ``module``'s sharded attributes is a forward's (see NOTE: reads
+    outside a forward)."""
+    if torch.compiler.is_compiling():
+        return True
+    scope = module.__dict__.get("_mfsdp_read_scope")
+    return scope is None or scope.depth > 0 or torch._C._current_graph_task_id() != -1
+
+
 def _gathered(self: nn.Module, name: str) -> torch.Tensor:
-    """What reading a sharded attribute returns: the gathered parameter.
+    """What reading a sharded attribute returns: in a forward, the gathered parameter;
+    outside one, the parameter (see NOTE: reads outside a forward).
 
     A plain tensor (not an ``nn.Parameter``) in ``_parameters`` is returned as it is: a
     repeated block's body finds there the weights its wrapper gathered (see NOTE: one body
@@ -81,6 +113,8 @@ def _gathered(self: nn.Module, name: str) -> torch.Tensor:
     """
     param = self._parameters[name]
     if not isinstance(param, nn.Parameter) and isinstance(param, torch.Tensor):
+        return param
+    if not in_a_forward(self):
         return param
     info = shard_info(param)
     # isinstance and shape only: Dynamo traces this getter, and both are cheap guards for it.

@@ -43,3 +43,48 @@ def test_materialising_a_meta_model_allocates_about_one_shard():
     shard_bytes = full_bytes / world
     # Observed 1.09x: one parameter's rows are briefly allocated twice while to_empty swaps it.
     assert peak < 1.2 * shard_bytes, (peak, shard_bytes, full_bytes)
+
+
+def _init_weights(model: torch.nn.Module) -> None:
+    """A model's own init, as torchtitan's and HF's are written: through each module's
+    attributes (``nn.init.*_(module.weight)``, ``module.bias.data.zero_()``), after
+    ``to_empty``; each weight a constant of its own, so every rank knows its rows."""
+    with torch.no_grad():
+        for index, module in enumerate(model.modules()):
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                if name == "bias":
+                    module.bias.data.zero_()
+                else:
+                    torch.nn.init.constant_(getattr(module, name), 0.01 * (index + 1))
+
+
+@pytest.mark.structure
+def test_a_model_s_own_init_after_to_empty_writes_the_shards():
+    """Between steps a sharded attribute reads the parameter itself, as under FSDP2 (NOTE:
+    reads outside a forward): a model's init after ``to_empty`` writes every rank's rows, and
+    ``module.weight.requires_grad = False`` freezes it. Both wrote a gathered copy before (the
+    model kept ``to_empty``'s garbage; the flag was refused on a non-leaf). A forward still
+    reads the gathered weights."""
+    cfg = TransformerConfig()
+    expected = build_model(cfg)
+    _init_weights(expected)
+    with fake_process_group(2):
+        model = _meta_model(cfg)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        _init_weights(model)
+        model.head.weight.requires_grad = False
+        assert model.head.weight is model.head._parameters["weight"]
+        for name, param in model.named_parameters():
+            rows = expected.get_parameter(name).detach().chunk(2)[0]
+            assert torch.equal(param.to_local()[: len(rows)], rows), name
+        assert not model.get_parameter("head.weight").requires_grad
+        gathered = {}
+        hook = model.head.register_forward_pre_hook(lambda m, args: gathered.setdefault("head", m.weight))
+        model(torch.zeros(2, 8, dtype=torch.long))
+        hook.remove()
+    assert type(gathered["head"]) is torch.Tensor and gathered["head"].shape == expected.head.weight.shape
