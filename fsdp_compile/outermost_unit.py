@@ -40,9 +40,10 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse parameters still on the meta device; enter the forward's reads (NOTE: reads
     outside a forward, in gathered_reads.py); make each block's flats require a gradient as
     their members now do (NOTE: requires_grad after fully_shard, in flat_params.py)."""
-    refuse_meta_parameters(module, args, kwargs)
-    # Traced, the count is a side effect Dynamo replays before any code it leaves to Python.
+    # First: _after_forward runs however this forward ends, a refusal here included. Traced,
+    # the count is a side effect Dynamo replays before any code it leaves to Python.
     module._mfsdp_read_scope.depth += 1
+    refuse_meta_parameters(module, args, kwargs)
     # Traced inside a frame of the user's, the flags are that frame's guards to keep: reading
     # each member here would make Dynamo wrap every parameter of every layer.
     if torch.compiler.is_compiling():

@@ -222,12 +222,20 @@ def _meta_model_in_units():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_meta_model_never_materialised(compiled):
     """Its first op failed on two devices (compiled: Dynamo's "found at least two devices, cpu
-    and meta!"), with no word of to_empty."""
+    and meta!"), with no word of to_empty. Refused, the forward leaves its reads' scope as it
+    entered it: materialised, the model's next eager forward reads gathered weights (after a
+    compile, torch's to_empty cannot swap the parameters Dynamo keeps weak references to)."""
     with fake_process_group(2):
         model = _meta_model_in_units()
         forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
         with pytest.raises(ValueError, match=r"still on the meta device.*model\.to_empty\(device='cpu'\)"):
             forward(torch.randn(2, 4))
+        if not compiled:
+            model.to_empty(device="cpu")
+            read = {}
+            model.register_forward_pre_hook(lambda module, args: read.setdefault("weight", module[0].weight))
+            forward(torch.randn(2, 4))
+            assert type(read["weight"]) is torch.Tensor, type(read["weight"])
 
 
 @pytest.mark.structure
