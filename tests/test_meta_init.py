@@ -88,3 +88,33 @@ def test_a_model_s_own_init_after_to_empty_writes_the_shards():
         model(torch.zeros(2, 8, dtype=torch.long))
         hook.remove()
     assert type(gathered["head"]) is torch.Tensor and gathered["head"].shape == expected.head.weight.shape
+
+
+@pytest.mark.structure
+def test_an_hf_model_s_init_weights_after_to_empty_initialises_the_shards():
+    """HF's meta-device flow: ``LlamaForCausalLM`` built on meta, sharded, ``to_empty``, then
+    HF's own ``init_weights()`` (its ``_init_weights`` writes ``module.weight``): every rank's
+    rows hold HF's init (norms 1, projections ~N(0, initializer_range)), none of to_empty's
+    memory (NaN here) is left. Before, HF initialised gathered copies and the NaN stayed."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    with fake_process_group(2):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(cfg)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for param in model.parameters():
+                param.to_local().fill_(float("nan"))
+            model.init_weights()
+        shards = {name: param.to_local() for name, param in model.named_parameters()}
+    for name, shard in shards.items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(shard, torch.ones_like(shard)), name
+        else:
+            assert abs(shard.std().item() - cfg.initializer_range) < 0.3 * cfg.initializer_range, (name, shard.std())
