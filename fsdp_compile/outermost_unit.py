@@ -48,6 +48,8 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     # each member here would make Dynamo wrap every parameter of every layer.
     if torch.compiler.is_compiling():
         return
+    # The count is left after every forward hook, a user's registered after fully_shard too.
+    module._forward_hooks.move_to_end(module._mfsdp_outermost_hooks[1].id)
     for block in _regions(module):
         for flat in block._mfsdp_region_flats.values():
             follow_members(flat)

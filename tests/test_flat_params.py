@@ -138,17 +138,21 @@ def test_a_parameter_given_other_storage_is_refused():
 
 def _gradients_run(rank, world):
     """Two backwards without zeroing, then one after zero_grad, with the head's weight and a
-    block parameter also read outside the blocks; gradients against the unsharded model's."""
+    block parameter also read outside the blocks (by a hook in the model's forward, where a
+    read gathers: NOTE: reads outside a forward); gradients against the unsharded model's."""
     cfg = CFG
     reference = build_model(cfg)
     model = fully_shard(build_model(cfg))
     forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     errors = {}
+    extras = {}
+    for net in (reference, model):
+        net.register_forward_pre_hook(lambda net, args: extras.update({id(net): net.layers[1].mlp.down.weight.square().mean()}))
 
     def loss_of(net, run, tokens, targets):
-        extra = net.layers[1].mlp.down.weight.square().mean()  # read outside its block
-        return loss_fn(run(tokens), targets) + extra
+        logits = run(tokens)
+        return loss_fn(logits, targets) + extras.pop(id(net))  # read outside its block
 
     for step, zero in ((0, False), (1, False), (2, True)):
         if zero:
