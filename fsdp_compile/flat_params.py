@@ -42,7 +42,8 @@ NOTE: flat parameters
     layers unfrozen one by one) must train what eager would. A flat requires a gradient when
     any of its members does (``follow_members``, run before each forward of the outermost unit,
     fsdp_compile/outermost_unit.py): Dynamo guards on the flat's flag, so a block all frozen
-    or unfrozen recompiles the step and a frozen block costs no backward. A member frozen
+    or unfrozen recompiles the step and a frozen block computes no weight gradient and
+    reduces none. A member frozen
     beside trainable ones shares their flat's gradient; the hand-out leaves its ``.grad`` as
     autograd leaves a frozen leaf's, so neither the optimizer nor weight decay touches it.
 

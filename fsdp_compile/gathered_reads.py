@@ -9,15 +9,18 @@ NOTE: reads outside a forward
     Between steps a read returns the parameter itself, the sharded DTensor, as under FSDP2:
     what a program does there writes the parameter (``nn.init.normal_(module.weight)`` in a
     model's ``init_weights`` after ``to_empty``, ``module.weight.requires_grad = False``), and
-    on a gathered copy it would be lost without a word. A read is in a forward while the
-    model's outermost unit runs its forward (``ReadScope``, entered by its hooks,
-    fsdp_compile/outermost_unit.py), while autograd runs a backward (a checkpointed block
-    recomputed), and whenever Dynamo traces.
+    on a gathered copy it would be lost without a word. A read is a forward's while any
+    module's call runs (the model's, a submodule's called on its own: HF's ``generate`` calls
+    an encoder-decoder's encoder so; a hook's), while autograd runs a backward (a
+    checkpointed module recomputed), and whenever Dynamo traces. The call is found on the
+    stack rather than counted by hooks: no count to leave unbalanced by a forward that
+    raises or is interrupted, and nothing for Dynamo to trace at each module.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch import nn
@@ -29,8 +32,7 @@ from fsdp_compile.records import ShardInfo, gathered_params, shard_info
 
 
 __all__ = [
-    "set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "gather", "ReadScope",
-    "in_a_forward",
+    "set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "gather", "in_a_forward",
 ]
 
 
@@ -83,23 +85,21 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
         raise RuntimeError(f"gathering parameter {info.fqn} failed: {error}") from error
 
 
-class ReadScope:
-    """How many forwards of one model run now (see NOTE: reads outside a forward): shared by
-    every module of the model whose attributes read gathered, owned by them."""
-
-    __slots__ = ("depth",)
-
-    def __init__(self) -> None:
-        self.depth = 0
+# A module's call runs through this frame, eagerly or compiled (``module.compile()`` too).
+_MODULE_CALL = nn.Module._wrapped_call_impl.__code__
 
 
-def in_a_forward(module: nn.Module) -> bool:
-    """Whether a read of ``module``'s sharded attributes is a forward's (see NOTE: reads
-    outside a forward)."""
-    if torch.compiler.is_compiling():
+def in_a_forward() -> bool:
+    """Whether a read of a sharded attribute now is a forward's (see NOTE: reads outside a
+    forward): Dynamo traces, autograd runs a backward, or a module's call is on the stack."""
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1:
         return True
-    scope = module.__dict__.get("_mfsdp_read_scope")
-    return scope is None or scope.depth > 0 or torch._C._current_graph_task_id() != -1
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _MODULE_CALL:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _gathered(self: nn.Module, name: str) -> torch.Tensor:
@@ -114,7 +114,7 @@ def _gathered(self: nn.Module, name: str) -> torch.Tensor:
     param = self._parameters[name]
     if not isinstance(param, nn.Parameter) and isinstance(param, torch.Tensor):
         return param
-    if not in_a_forward(self):
+    if not in_a_forward():
         return param
     info = shard_info(param)
     # isinstance and shape only: Dynamo traces this getter, and both are cheap guards for it.

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from fsdp_compile.flat_params import follow_members
-from fsdp_compile.gathered_reads import ReadScope
 from fsdp_compile.regions import is_region
 from fsdp_compile.sharding_checks import refuse_meta_parameters
 
@@ -20,36 +19,23 @@ __all__ = ["install_outermost_hook"]
 
 
 def install_outermost_hook(module: nn.Module) -> None:
-    """``_before_forward`` and ``_after_forward`` run around the forward of ``module``, and no
-    longer around those of the units inside it; every module under it reads through one
-    ``ReadScope``."""
+    """``_before_forward`` runs before the forward of ``module``, and no longer before those of
+    the units inside it."""
     for unit_module in module.modules():
         for handle in unit_module.__dict__.pop("_mfsdp_outermost_hooks", ()):
             handle.remove()
         unit_module.__dict__.pop("_mfsdp_regions", None)
-    scope = ReadScope()
-    for submodule in module.modules():
-        submodule._mfsdp_read_scope = scope
-    module._mfsdp_outermost_hooks = (
-        module.register_forward_pre_hook(_before_forward, prepend=True, with_kwargs=True),
-        module.register_forward_hook(_after_forward, always_call=True),
-    )
+    module._mfsdp_outermost_hooks = (module.register_forward_pre_hook(_before_forward, prepend=True, with_kwargs=True),)
 
 
 def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Refuse parameters still on the meta device; enter the forward's reads (NOTE: reads
-    outside a forward, in gathered_reads.py); make each block's flats require a gradient as
-    their members now do (NOTE: requires_grad after fully_shard, in flat_params.py)."""
-    # First: _after_forward runs however this forward ends, a refusal here included. Traced,
-    # the count is a side effect Dynamo replays before any code it leaves to Python.
-    module._mfsdp_read_scope.depth += 1
+    """Refuse parameters still on the meta device; make each block's flats require a gradient
+    as their members now do (NOTE: requires_grad after fully_shard, in flat_params.py)."""
     refuse_meta_parameters(module, args, kwargs)
     # Traced inside a frame of the user's, the flags are that frame's guards to keep: reading
     # each member here would make Dynamo wrap every parameter of every layer.
     if torch.compiler.is_compiling():
         return
-    # The count is left after every forward hook, a user's registered after fully_shard too.
-    module._forward_hooks.move_to_end(module._mfsdp_outermost_hooks[1].id)
     for block in _regions(module):
         for flat in block._mfsdp_region_flats.values():
             follow_members(flat)
@@ -64,10 +50,5 @@ def _regions(module: nn.Module) -> tuple[nn.Module, ...]:
     return regions
 
 
-def _after_forward(module: nn.Module, args: tuple, output):
-    module._mfsdp_read_scope.depth -= 1
-
-
-# Run by Python, never compiled as frames of their own (they call no tensor op Dynamo should see).
+# Run by Python, never compiled as a frame of its own (it calls no tensor op Dynamo should see).
 torch._dynamo.eval_frame.skip_code(_before_forward.__code__)
-torch._dynamo.eval_frame.skip_code(_after_forward.__code__)

@@ -10,7 +10,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_compile import fully_shard
 from fsdp_compile.testing.models import Transformer, TransformerConfig
-from harness import build_model, fake_process_group
+from harness import build_model, fake_process_group, one_rank_group
 
 
 def _meta_model(cfg):
@@ -62,8 +62,8 @@ def _init_weights(model: torch.nn.Module) -> None:
 
 @pytest.mark.structure
 def test_a_model_s_own_init_after_to_empty_writes_the_shards():
-    """Between steps a sharded attribute reads the parameter itself, as under FSDP2 (NOTE:
-    reads outside a forward): a model's init after ``to_empty`` writes every rank's rows, and
+    """Outside any module's call a sharded attribute reads the parameter itself, as under
+    FSDP2 (NOTE: reads outside a forward): a model's init after ``to_empty`` writes every rank's rows, and
     ``module.weight.requires_grad = False`` freezes it. Both wrote a gathered copy before (the
     model kept ``to_empty``'s garbage; the flag was refused on a non-leaf). A forward still
     reads the gathered weights."""
@@ -118,3 +118,26 @@ def test_an_hf_model_s_init_weights_after_to_empty_initialises_the_shards():
             assert torch.equal(shard, torch.ones_like(shard)), name
         else:
             assert abs(shard.std().item() - cfg.initializer_range) < 0.3 * cfg.initializer_range, (name, shard.std())
+
+
+@pytest.mark.structure
+def test_an_encoder_decoder_generates_from_a_sharded_model():
+    """HF's ``generate`` calls an encoder-decoder's encoder on its own, outside the model's
+    forward: a read in that call is a forward's and gathers (NOTE: reads outside a forward),
+    so T5 generates from the sharded model what it generates unsharded."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2, decoder_start_token_id=0,
+    )
+    torch.manual_seed(0)
+    reference = transformers.T5ForConditionalGeneration(cfg).eval()
+    inputs = torch.randint(1, 64, (2, 6))
+    expected = reference.generate(inputs, max_new_tokens=4, do_sample=False)
+    with one_rank_group():
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(cfg).eval()
+        for stack in (model.encoder, model.decoder):
+            for block in stack.block:
+                fully_shard(block)
+        fully_shard(model)
+        assert torch.equal(model.generate(inputs, max_new_tokens=4, do_sample=False), expected)

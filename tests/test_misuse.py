@@ -222,9 +222,9 @@ def _meta_model_in_units():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_meta_model_never_materialised(compiled):
     """Its first op failed on two devices (compiled: Dynamo's "found at least two devices, cpu
-    and meta!"), with no word of to_empty. Refused, the forward leaves its reads' scope as it
-    entered it: materialised, the model's next eager forward reads gathered weights (after a
-    compile, torch's to_empty cannot swap the parameters Dynamo keeps weak references to)."""
+    and meta!"), with no word of to_empty. Materialised after the refusal, the model's next
+    eager forward reads gathered weights, a hook's reads too (after a compile, torch's
+    to_empty cannot swap the parameters Dynamo keeps weak references to)."""
     with fake_process_group(2):
         model = _meta_model_in_units()
         forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
