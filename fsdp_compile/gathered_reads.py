@@ -164,13 +164,18 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         )
     for param in gathered_params(module):
         info = shard_info(param)
-        if info is None or not param.requires_grad:
+        if info is None:
             continue
         state = info.accumulation  # a tied parameter read through two modules has one
         if not requires_gradient_sync:
-            if "accumulator" not in state:
+            # A flat's own flag follows its members at the next forward (NOTE: requires_grad
+            # after fully_shard, in flat_params.py): ask them.
+            members = getattr(param, "_mfsdp_members", ())
+            trainable = any(m.param.requires_grad for m in members) if members else param.requires_grad
+            if trainable and "accumulator" not in state:
                 state["accumulator"] = _accumulator(param, info)
             continue
+        # Whatever the flag says now: an accumulator left behind would take the next gradient.
         accumulator = state.pop("accumulator", None)
         if accumulator is not None and accumulator.grad is not None:
             state["pending"] = accumulator.grad

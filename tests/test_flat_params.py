@@ -281,6 +281,44 @@ def test_parameters_frozen_and_unfrozen_after_sharding_train_as_unsharded(compil
         assert len(backend.graphs) <= 3, len(backend.graphs)
 
 
+def _accumulate_then_unfreeze(model, forward, sharded: bool) -> list:
+    """Layer 0 frozen, then two micro-batches with sync off for the first (sharded), an
+    optimizer step, layer 0 unfrozen and one more step: each step's gradients."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.layers[0].requires_grad_(False)
+    steps = []
+    for micro in range(2):
+        if sharded:
+            model.set_requires_gradient_sync(micro == 1)
+        tokens, targets = make_batch(CFG, 2, 8, micro, 0)
+        loss_fn(forward(tokens), targets).backward()
+    steps.append({n: None if p.grad is None else p.grad.full_tensor() if sharded else p.grad.clone() for n, p in model.named_parameters()})
+    opt.step()
+    opt.zero_grad()
+    model.layers[0].requires_grad_(True)
+    tokens, targets = make_batch(CFG, 2, 8, 2, 0)
+    loss_fn(forward(tokens), targets).backward()
+    steps.append({n: None if p.grad is None else p.grad.full_tensor() if sharded else p.grad.clone() for n, p in model.named_parameters()})
+    return steps
+
+
+@pytest.mark.structure
+def test_a_block_frozen_while_gradients_accumulate_trains_again_once_unfrozen():
+    """Sync turned off just after a block is frozen (its flat follows at the next forward)
+    gave the block an accumulator that turning sync on left behind; unfrozen, the block's
+    next gradient went into it and ``.grad`` stayed None. Now its gradients equal the
+    unsharded model's."""
+    reference = build_model(CFG)
+    expected = _accumulate_then_unfreeze(reference, reference, sharded=False)
+    with one_rank_group():
+        model = fully_shard(build_model(CFG))
+        got = _accumulate_then_unfreeze(model, torch.compile(model, backend=MfsdpBackend(compiler="eager")), sharded=True)
+    for step, (grads, want) in enumerate(zip(got, expected)):
+        assert {n for n, g in grads.items() if g is None} == {n for n, g in want.items() if g is None}, step
+        for name, grad in grads.items():
+            assert grad is None or torch.allclose(grad, want[name], rtol=1e-5, atol=1e-7), (step, name)
+
+
 @pytest.mark.multirank
 def test_gradients_reach_every_parameter_as_autograd_would():
     """Two gloo ranks: each member's ``.grad`` is a DTensor view of its block's reduced
