@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import set_code_exec_strategy
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from fsdp_compile.flat_params import follow_members
 from fsdp_compile.regions import is_region
@@ -50,5 +52,7 @@ def _regions(module: nn.Module) -> tuple[nn.Module, ...]:
     return regions
 
 
-# Run by Python, never compiled as a frame of its own (it calls no tensor op Dynamo should see).
-torch._dynamo.eval_frame.skip_code(_before_forward.__code__)
+# Run by Python with all it calls: under torch.compile(model) Dynamo offers every frame a hook
+# runs to the backend, and would trace each of these once (the walk over the model's modules
+# included) for no graph: they call no tensor op a graph should hold.
+set_code_exec_strategy(_before_forward.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
