@@ -163,12 +163,13 @@ def fully_shard(
     in the shard dimension, gradients are then all-reduced across the replicate dimension.
     It holds every rank of the job, itself or as a dimension of a mesh that does (``mesh["dp"]``
     of a ``(dp, tp)`` mesh): a mesh leaving ranks out is refused on every rank (see
-    ``sharding_checks._check_mesh_holds_every_rank``). Call it on submodules first (each call is a unit, a
-    bucketing hint), then on the root; a call on a submodule after its root is refused.
-    Parameters become DTensors (``Shard(0)``, or ``Replicate()`` for no_shard) holding this
-    rank's rows; buffers stay replicated. Reads of a sharded attribute in a forward return the
-    full tensor, gathered (between steps, the parameter itself, as under FSDP2); its gradient is averaged over the mesh and lands as ``.grad`` with the
-    parameter's placements. ``reshard_after_forward`` (ZeRO-3 only) frees the gathered
+    ``sharding_checks._check_mesh_holds_every_rank``). Call it on submodules first (each call
+    is a unit, a bucketing hint), then on the root; a call on a submodule after its root is
+    refused. Parameters become DTensors (``Shard(0)``, or ``Replicate()`` for no_shard)
+    holding this rank's rows; buffers stay replicated. A read of a sharded attribute while a
+    module's call runs returns the full tensor, gathered; outside any module's call it returns
+    the parameter itself, as under FSDP2 (NOTE: reads outside a forward). The gradient is
+    averaged over the mesh and lands as ``.grad`` with the parameter's placements. ``reshard_after_forward`` (ZeRO-3 only) frees the gathered
     parameter after forward and gathers again in backward: ``True`` for every parameter of the
     unit, ``False`` for none; the default ``None`` frees those in repeated blocks and in
     wrapped units and keeps the root's own, as FSDP2 keeps its root (NOTE: the reshard

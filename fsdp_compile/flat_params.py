@@ -43,9 +43,9 @@ NOTE: flat parameters
     any of its members does (``follow_members``, run before each forward of the outermost unit,
     fsdp_compile/outermost_unit.py): Dynamo guards on the flat's flag, so a block all frozen
     or unfrozen recompiles the step and a frozen block computes no weight gradient and
-    reduces none. A member frozen
-    beside trainable ones shares their flat's gradient; the hand-out leaves its ``.grad`` as
-    autograd leaves a frozen leaf's, so neither the optimizer nor weight decay touches it.
+    reduces none. A member frozen beside trainable ones shares their flat's gradient; the
+    hand-out leaves its ``.grad`` as autograd leaves a frozen leaf's, so neither the optimizer
+    nor weight decay touches it.
 
     What would break the link is caught: ``nn.Module._apply`` (``to_empty``, ``.to``) would
     give members new storage of their own, so the region's ``_apply`` converts the flat
