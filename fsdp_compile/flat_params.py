@@ -68,7 +68,9 @@ from fsdp_compile.records import ShardInfo, shard_info
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.ops import padded_rows
 
-__all__ = ["FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat", "note_graded"]
+__all__ = [
+    "FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat", "note_graded", "hold_local",
+]
 
 
 @dataclass(frozen=True)
@@ -177,12 +179,12 @@ def _link(flat_local: torch.Tensor, members: list[nn.Parameter], layout: FlatLay
         view = flat_local[offset : offset + local.numel()].view(local.shape)
         if copy and not local.is_meta:
             view.copy_(local)
-        _hold(param, view)
+        hold_local(param, view)
         linked.append(FlatMember(param=param, offset=offset, local_shape=tuple(local.shape)))
     return tuple(linked)
 
 
-def _hold(param: nn.Parameter, view: torch.Tensor) -> None:
+def hold_local(param: nn.Parameter, view: torch.Tensor) -> None:
     """Make the DTensor ``param`` (the same object: optimizers may hold it) hold ``view`` as its
     local tensor.
 

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_weight
 from fsdp_compile.records import ShardInfo, gathered_params, shard_info
+from fsdp_compile.state_loading import load_into_shards
 
 
 __all__ = [
@@ -212,6 +213,7 @@ def install_properties(module: nn.Module, names: set[str]) -> None:
             "_mfsdp_base": base,
             "_mfsdp_names": names,
             "_apply": _reattach_shard_info,
+            "_load_from_state_dict": load_into_shards,
             "set_requires_gradient_sync": _set_requires_gradient_sync,
             # Printed as the user's class: libraries key registries on str(cls) (HF's output
             # recorders), and the class is the user's but for the getters.

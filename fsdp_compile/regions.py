@@ -68,6 +68,7 @@ from fsdp_compile.region_tables import (
     param_at,
 )
 from fsdp_compile.side_outputs import mixes_tensor_parallel_hooks, replay, stand_in_leaves
+from fsdp_compile.state_loading import materialise_loaded_flats
 
 __all__ = ["install_regions", "is_region", "RegionLayout"]
 
@@ -339,6 +340,8 @@ def _make_region(block: nn.Module, layout: RegionLayout, path: str) -> None:
         for i, members in enumerate(layout.flats)
     }
     block._mfsdp_region_params = _params_alone(block, layout.alone)
+    if block._mfsdp_region_flats:
+        block.register_load_state_dict_post_hook(materialise_loaded_flats)
 
 
 def install_regions(root: nn.Module) -> None:

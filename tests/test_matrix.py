@@ -321,10 +321,12 @@ def _dcp(ctx: RankContext) -> dict:
 
 
 def _meta_init(ctx: RankContext) -> dict:
+    """FSDP2's loading of a model built on the meta device: shard, then load the full state
+    dict, which DCP assigns to parameters still on meta (NOTE: loading with assign, in
+    fsdp_compile/state_loading.py); the full_state_dict cell loads into materialised ones."""
     with torch.device("meta"):
         model = Transformer(ctx.layout.cfg)
     model = ctx.shard(model)
-    model.to_empty(device="cpu")
     set_model_state_dict(model, _initial_state(ctx.layout.cfg, model), options=StateDictOptions(full_state_dict=True))
     return ctx.parity(ctx.layout.cfg, model, ctx.compiled(model)[0])
 

@@ -1,6 +1,7 @@
 """Meta-device init: build without memory, shard, materialise only this rank's rows. Training
-to parity from loaded weights after a meta init is the matrix's ``meta_init`` cell on every
-layout (tests/test_matrix.py)."""
+to parity from a full state dict loaded into a model still on meta is the matrix's
+``meta_init`` cell on every layout (tests/test_matrix.py); FSDP2's other loaders, which assign
+sharded values, are here."""
 
 from __future__ import annotations
 
@@ -8,9 +9,24 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from fsdp_compile import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import Transformer, TransformerConfig
-from harness import build_model, fake_process_group, one_rank_group
+from harness import (
+    TOLERANCE,
+    build_model,
+    fake_process_group,
+    full_parameters,
+    max_param_error,
+    mean_over_ranks,
+    one_rank_group,
+    rank_batches,
+    reference,
+    relative_error,
+    spawn,
+    train,
+)
 
 
 def _meta_model(cfg):
@@ -141,3 +157,84 @@ def test_an_encoder_decoder_generates_from_a_sharded_model():
                 fully_shard(block)
         fully_shard(model)
         assert torch.equal(model.generate(inputs, max_new_tokens=4, do_sample=False), expected)
+
+
+def _sharded_on_meta(cfg: TransformerConfig) -> Transformer:
+    model = _meta_model(cfg)
+    for layer in model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _placed_as_the_model(model: torch.nn.Module, full: dict, *, parameters: bool = False) -> dict:
+    """``full`` distributed as ``model.state_dict()`` places each entry, as FSDP2's loaders do
+    (Accelerate's plain DTensors; torchtune's ``nn.Parameter``s with ``parameters``)."""
+    placed = {}
+    for name, entry in model.state_dict().items():
+        value = full[name]
+        if isinstance(entry, DTensor):
+            value = distribute_tensor(value, entry.device_mesh, entry.placements)
+            value = torch.nn.Parameter(value) if parameters else value
+        placed[name] = value
+    return placed
+
+
+def _assigning_loaders_run(rank, world, *, cfg):
+    """Each loader into a model sharded on meta, then trained compiled: whether every
+    parameter kept its object, and the errors against the unsharded model."""
+    ref_losses, ref_params = reference(cfg, world)
+    full = build_model(cfg).state_dict()
+    results = {}
+    for loader in ("accelerate", "torchtune_swap"):
+        torch._dynamo.reset()
+        model = _sharded_on_meta(cfg)
+        before = [id(p) for p in model.parameters()]
+        swap = loader == "torchtune_swap"
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+        try:
+            model.load_state_dict(_placed_as_the_model(model, full, parameters=swap), assign=True)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        kept = before == [id(p) for p in model.parameters()]
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        losses = mean_over_ranks(train(model, forward, rank_batches(cfg, rank)))
+        results[loader] = {
+            "kept": kept,
+            "loss_error": relative_error(losses, ref_losses),
+            "param_error": max_param_error(full_parameters(model), ref_params),
+        }
+    return results
+
+
+@pytest.mark.multirank
+def test_loaders_that_assign_sharded_values_keep_every_parameter_and_train_as_unsharded():
+    """``load_state_dict(sharded_sd, assign=True)`` into a model sharded on meta, as
+    Accelerate's ``fsdp2_load_full_state_dict`` does and torchtune's loader under
+    ``torch.__future__``'s swap: each parameter keeps its object (its sharding record, its
+    slot in its block's flat) and takes the values (NOTE: loading with assign, in
+    fsdp_compile/state_loading.py), and the compiled step trains as the unsharded model on 2
+    gloo ranks. Before, the first forward refused the replaced parameters."""
+    cfg = TransformerConfig()
+    for rank, results in enumerate(spawn(_assigning_loaders_run, 2, cfg=cfg)):
+        for loader, result in results.items():
+            assert result["kept"], (rank, loader)
+            assert result["loss_error"] < TOLERANCE and result["param_error"][0] < TOLERANCE, (rank, loader, result)
+
+
+@pytest.mark.structure
+def test_a_load_that_assigns_what_a_shard_cannot_hold_is_refused_with_the_fix():
+    """Full tensors assigned to sharded parameters, and a block on meta loaded in part, are
+    refused with the fix; the model keeps its parameters."""
+    cfg = TransformerConfig()
+    full = build_model(cfg).state_dict()
+    with fake_process_group(2):
+        model = _sharded_on_meta(cfg)
+        before = [id(p) for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"not a DTensor.*distribute_tensor.*set_model_state_dict"):
+            model.load_state_dict(full, assign=True)
+        assert before == [id(p) for p in model.parameters()]
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        placed = _placed_as_the_model(model, full)
+        part = {name: value for name, value in placed.items() if name.startswith("layers.0.attn.")}
+        with pytest.raises(ValueError, match=r"layers\.0, still on the meta device.*to_empty"):
+            model.load_state_dict(part, assign=True, strict=False)

@@ -1,0 +1,123 @@
+"""``load_state_dict`` into a sharded model: a load that would replace a sharded parameter
+writes its values into it instead.
+
+NOTE: loading with assign
+    FSDP2's loaders replace parameters: ``model.load_state_dict(sharded_sd, assign=True)``
+    (Accelerate's ``fsdp2_load_full_state_dict``, torchtune's
+    ``load_from_full_model_state_dict``), and ``set_model_state_dict(model, full_sd,
+    options=StateDictOptions(full_state_dict=True))``, which assigns whenever the model is
+    still on the meta device. A replaced parameter would have lost its sharding record, and a
+    repeated block's member its place in the block's flat buffer (NOTE: flat parameters, in
+    flat_params.py). So every parameter keeps its object, which optimizers and the compiled
+    step hold, and takes the loaded values: a parameter on its own adopts the loaded shard
+    itself (no copy when dtype and device agree), a member of a flat is copied into its
+    slot. A flat still on the meta device is materialised on the loaded values' device once
+    its block's load is done (``materialise_loaded_flats``), as ``to_empty`` would. The
+    values must be placed as the parameter is (``model.state_dict()`` shows how); anything
+    else is refused, naming the loaders that place them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_compile.errors import UsageError
+from fsdp_compile.flat_params import converted_flat, hold_local
+from fsdp_compile.records import shard_info
+
+__all__ = ["load_into_shards", "materialise_loaded_flats"]
+
+
+def load_into_shards(
+    self: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
+    """``nn.Module._load_from_state_dict`` of a module holding sharded parameters: the
+    module's own, then each sharded parameter the load replaced (``assign=True``) or swapped
+    (``torch.__future__.set_swap_module_params_on_conversion``) is put back, holding the
+    loaded values (see NOTE: loading with assign)."""
+    held = []
+    for name, param in self._parameters.items():
+        if shard_info(param) is not None:
+            # A swap moves the contents and the attributes to another object: keep both.
+            before = DTensor.from_local(
+                param._local_tensor, param.device_mesh, param.placements, run_check=False,
+                shape=param.shape, stride=param.stride(),
+            )
+            held.append((name, param, dict(param.__dict__), before))
+    type(self)._mfsdp_base._load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    )
+    for name, param, attributes, before in held:
+        loaded = self._parameters[name]
+        swapped = loaded is param and shard_info(param) is None
+        if loaded is param and not swapped:
+            continue  # copied in place
+        values = loaded._local_tensor if _placed_alike(loaded, before) else None
+        if swapped:
+            torch.utils.swap_tensors(param, nn.Parameter(before, requires_grad=param.requires_grad))
+            param.__dict__.update(attributes)
+        self._parameters[name] = param
+        if values is None:
+            given = (
+                f"a DTensor of shape {tuple(loaded.shape)} placed {tuple(loaded.placements)}"
+                if isinstance(loaded, DTensor) else f"a tensor of shape {tuple(loaded.shape)}, not a DTensor"
+            )
+            raise UsageError(
+                f"load_state_dict(assign=True) gave {prefix}{name} {given}; the sharded model "
+                f"holds a DTensor of shape {tuple(before.shape)} placed "
+                f"{tuple(before.placements)}. Load DTensors placed as model.state_dict()'s "
+                "(distribute_tensor(full, param.device_mesh, param.placements)), or a full "
+                "state dict with torch.distributed.checkpoint.state_dict.set_model_state_dict("
+                "model, full_sd, options=StateDictOptions(full_state_dict=True))."
+            )
+        _write(param, values)
+
+
+def _placed_alike(loaded: object, before: DTensor) -> bool:
+    return (
+        isinstance(loaded, DTensor)
+        and loaded.device_mesh == before.device_mesh
+        and loaded.placements == before.placements
+        and loaded.shape == before.shape
+        and loaded._local_tensor.shape == before._local_tensor.shape
+    )
+
+
+def _write(param: nn.Parameter, values: torch.Tensor) -> None:
+    """``param`` (its object kept) holds ``values``, this rank's loaded rows."""
+    flat = getattr(param, "_mfsdp_flat", None)
+    local = param._local_tensor
+    if flat is not None and flat.is_meta:
+        param._mfsdp_loaded = values  # until its block's load is done
+    elif flat is not None or not local.is_meta:
+        local.copy_(values)
+    else:
+        hold_local(param, values.to(dtype=param.dtype).contiguous())
+
+
+def materialise_loaded_flats(block: nn.Module, incompatible_keys) -> None:
+    """A repeated block's load post-hook: each flat still on the meta device whose members
+    were loaded is materialised on the values' device and takes them (see NOTE: loading
+    with assign)."""
+    for name, flat in list(block._mfsdp_region_flats.items()):
+        members = [member.param for member in flat._mfsdp_members]
+        loaded = [param.__dict__.pop("_mfsdp_loaded", None) for param in members]
+        if all(values is None for values in loaded):
+            continue
+        if any(values is None for values in loaded):
+            left = [n for n, values in zip(flat._mfsdp.members, loaded) if values is None]
+            raise UsageError(
+                f"the load gave values to some parameters of {flat._mfsdp.fqn.rpartition('.')[0]}, "
+                f"still on the meta device, but not to {', '.join(left)}: a block's parameters share one buffer, "
+                "materialised together. Load them all, or call model.to_empty(device=...) "
+                "before loading."
+            )
+        device = loaded[0].device
+        flat = block._mfsdp_region_flats[name] = converted_flat(
+            flat, members, lambda t: torch.empty_like(t, device=device)
+        )
+        with torch.no_grad():
+            for param, values in zip(members, loaded):
+                param._local_tensor.copy_(values)
