@@ -257,6 +257,7 @@ def _dense_info(
         grad_divisor=mesh.size(),
         reshard_after_forward=reshards,
         float8=float8,
+        mixed_precision=mp_policy,
         **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(param.dtype))),
     )
 
@@ -349,6 +350,7 @@ def _expert_shard(
             _reshards(reshard_after_forward, expert.fqn) and expert.strategy == "optim_grads_params"
         ),
         ep_group_outside_mesh=expert.ep_group_outside_mesh,
+        mixed_precision=mp_policy,
         **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(expert.param.dtype))),
     )
     return _shard(expert.param, expert.mesh, expert.placements, info)

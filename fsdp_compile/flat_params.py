@@ -253,6 +253,7 @@ def make_flat(members: list[nn.Parameter], *, param_id: int, fqn: str, names: tu
         reshard_after_forward=first.reshard_after_forward,
         param_dtype=first.param_dtype,
         reduce_dtype=first.reduce_dtype,
+        mixed_precision=first.mixed_precision,
         members=names,
     )
     local = torch.zeros(layout.numel, dtype=members[0].dtype, device=members[0]._local_tensor.device)
@@ -264,11 +265,17 @@ def converted_flat(flat: nn.Parameter, members: list[nn.Parameter], fn) -> nn.Pa
     with ``members`` (as the module holds them) linked to it: ``fn`` converts the flat once,
     in place of each member, so no member is ever held twice (a meta model materialises at
     its shard's size)."""
+    grads = [None if param.grad is None else fn(param.grad) for param in members]
     for param in members:
-        if param.grad is not None:
-            param.grad = fn(param.grad)
+        param.grad = None  # a gradient must match its parameter's dtype: set again once linked
     converted = fn(flat)
-    return _new_flat(converted.data, members, flat._mfsdp, flat._mfsdp_layout, copy=False)
+    for param in members:
+        param._mfsdp = param._mfsdp.stored_as(converted.dtype)
+    info = flat._mfsdp.stored_as(converted.dtype)
+    result = _new_flat(converted.data, members, info, flat._mfsdp_layout, copy=False)
+    for param, grad in zip(members, grads):
+        param.grad = grad
+    return result
 
 
 def note_graded(flat: nn.Parameter, flags: tuple[bool, ...], *, traced: bool) -> None:

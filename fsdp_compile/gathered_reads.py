@@ -140,13 +140,14 @@ torch._dynamo.eval_frame.skip_code(unshard_marker.__code__)
 
 def _reattach_shard_info(self: nn.Module, fn, recurse: bool = True):
     """``nn.Module._apply`` (``to_empty``, ``.to``, ``.cuda``, ``.float``) may wrap converted
-    tensors in new Parameter objects; give them back their sharding record."""
+    tensors in new Parameter objects; give them back their sharding record, for the dtype
+    they are now stored in (``ShardInfo.stored_as``)."""
     records = {name: shard_info(p) for name, p in self._parameters.items() if shard_info(p) is not None}
     result = self._mfsdp_base._apply(self, fn, recurse)
     for name, info in records.items():
         param = self._parameters[name]
-        if param is not None and shard_info(param) is None:
-            param._mfsdp = info
+        if param is not None:
+            param._mfsdp = info.stored_as(param.dtype)
     return result
 
 

@@ -137,6 +137,9 @@ class ShardInfo:
     """Dtype on the wire and in the compute."""
     reduce_dtype: torch.dtype
     """Dtype of the gradient reduction."""
+    mixed_precision: MixedPrecision = MixedPrecision()
+    """The policy ``fully_shard`` got: ``param_dtype`` and ``reduce_dtype`` are it resolved
+    for the stored dtype, again whenever that changes (``stored_as``)."""
     float8: Float8Gather | None = None
     """A float8 linear's weight (torchao, ``enable_fsdp_float8_all_gather=True``): gathered
     in float8 and read as a ``Float8TrainingTensor`` computing in ``param_dtype`` (see NOTE:
@@ -158,6 +161,15 @@ class ShardInfo:
     ``set_requires_gradient_sync``): its ``"accumulator"`` while sync is off, then its
     ``"pending"`` sum until the next read takes it. Owned by the parameter it describes, so
     two models never see each other's, and carried wherever the record is."""
+
+    def stored_as(self, dtype: torch.dtype) -> ShardInfo:
+        """This record once the parameter is stored as ``dtype`` (``model.to(torch.bfloat16)``
+        after ``fully_shard``): the policy resolved again, as for a parameter sharded in
+        ``dtype``, so the step computes in what the unsharded model would."""
+        param_dtype, reduce_dtype = self.mixed_precision.resolve(dtype)
+        if (param_dtype, reduce_dtype) == (self.param_dtype, self.reduce_dtype):
+            return self
+        return dataclasses.replace(self, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     def alike(self) -> ShardInfo:
         """This record less what names one parameter (its id, path and shapes): equal for

@@ -288,3 +288,44 @@ def test_autocast_reaches_the_blocks_as_in_eager(where, checkpointed):
                 assert torch.equal(grads[name], p.grad), (step, enabled, name)
             model.zero_grad(set_to_none=True)
             reference.zero_grad(set_to_none=True)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_model_cast_after_sharding_computes_in_its_new_dtype(compiled):
+    """``model.to(torch.bfloat16)`` after ``fully_shard`` computes and reduces in bf16, as the
+    unsharded model cast alike: each record's dtypes follow the stored dtype
+    (``ShardInfo.stored_as``), a policy's own dtypes stay, and ``.float()`` turns them back.
+    Before, the records kept fp32 and the step gathered, computed and returned fp32 without a
+    word."""
+    from fsdp_compile import shard_info
+
+    cfg = TransformerConfig()
+    inputs, targets = make_batch(cfg, 2, 16, 0, 0)
+    expected = build_model(cfg).to(torch.bfloat16)
+    expected_out = expected(inputs)
+    loss_fn(expected_out.float(), targets).backward()
+    with one_rank_group():
+        model = build_model(cfg)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=MixedPrecision(reduce_dtype=torch.float32))
+        fully_shard(model)
+        model.to(torch.bfloat16)
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        out = forward(inputs)
+        loss_fn(out.float(), targets).backward()
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected_out)
+        for (name, param), reference_param in zip(model.named_parameters(), expected.parameters()):
+            assert param.dtype == torch.bfloat16, name
+            if reference_param.grad is not None:
+                assert param.grad.dtype == torch.bfloat16, name
+                assert relative_error(param.grad.full_tensor(), reference_param.grad) < 1e-2, name
+        block = model.layers[0]._mfsdp_region_flats["_flat0"]
+        assert (shard_info(block).param_dtype, shard_info(block).reduce_dtype) == (torch.bfloat16, torch.float32)
+        assert shard_info(model.embed.weight).reduce_dtype == torch.bfloat16
+        if compiled:
+            return  # Dynamo's weak references to the parameters stop torch's _apply swapping them
+        model.float()
+        assert {(shard_info(p).param_dtype, shard_info(p).reduce_dtype) for p in model.head.parameters()} == {
+            (torch.float32, torch.float32)
+        }
