@@ -9,10 +9,11 @@ NOTE: loading with assign
     still on the meta device. A replaced parameter would have lost its sharding record, and a
     repeated block's member its place in the block's flat buffer (NOTE: flat parameters, in
     flat_params.py). So every parameter keeps its object, which optimizers and the compiled
-    step hold, and takes the loaded values: a parameter on its own adopts the loaded shard
-    itself (no copy when dtype and device agree), a member of a flat is copied into its
-    slot. A flat still on the meta device is materialised on the loaded values' device once
-    its block's load is done (``materialise_loaded_flats``), as ``to_empty`` would. The
+    step hold, and takes the loaded values in its own dtype: a parameter on its own still on
+    the meta device adopts the loaded shard itself (no copy unless the dtypes differ); one
+    already materialised, and a member of a flat, copies them into its storage. A flat still
+    on the meta device is allocated on the loaded values' device once its block's load is
+    done (``materialise_loaded_flats``), as ``to_empty`` would allocate it. The
     values must be placed as the parameter is (``model.state_dict()`` shows how); anything
     else is refused, naming the loaders that place them.
 """
