@@ -169,13 +169,14 @@ def fully_shard(
     holding this rank's rows; buffers stay replicated. A read of a sharded attribute while a
     module's call runs returns the full tensor, gathered; outside any module's call it returns
     the parameter itself, as under FSDP2 (NOTE: reads outside a forward). The gradient is
-    averaged over the mesh and lands as ``.grad`` with the parameter's placements. ``reshard_after_forward`` (ZeRO-3 only) frees the gathered
-    parameter after forward and gathers again in backward: ``True`` for every parameter of the
-    unit, ``False`` for none; the default ``None`` frees those in repeated blocks and in
-    wrapped units and keeps the root's own, as FSDP2 keeps its root (NOTE: the reshard
-    default). ``mp_policy`` sets the dtypes of the gather and of the gradient reduction. A
-    model built on the meta device is materialised after this call (``module.to_empty``); a
-    forward on real inputs before that is refused (``sharding_checks.refuse_meta_parameters``).
+    averaged over the mesh and lands as ``.grad`` with the parameter's placements.
+    ``reshard_after_forward`` (ZeRO-3 only) frees the gathered parameter after forward and
+    gathers again in backward: ``True`` for every parameter of the unit, ``False`` for none;
+    the default ``None`` frees those in repeated blocks and in wrapped units and keeps the
+    root's own, as FSDP2 keeps its root (NOTE: the reshard default). ``mp_policy`` sets the
+    dtypes of the gather and of the gradient reduction. A model built on the meta device is
+    materialised after this call (``module.to_empty``); a forward on real inputs before that
+    is refused (``sharding_checks.refuse_meta_parameters``).
 
     Modules marked ``expert_parallel_enabled = True`` are owned by expert parallelism over
     ``expert_mesh`` (``fsdp_compile.expert_mesh``; see fsdp_compile/expert_parallel.py and
@@ -235,6 +236,12 @@ def fully_shard(
     return module
 
 
+def _dtypes(mp_policy: MixedPrecision, stored: torch.dtype) -> dict:
+    """A record's dtype fields: the policy and what it resolves to for ``stored``."""
+    param_dtype, reduce_dtype = mp_policy.resolve(stored)
+    return {"mixed_precision": mp_policy, "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+
+
 def _dense_info(
     param: nn.Parameter, fqn: str, unit: str, strategy: Strategy, mesh: DeviceMesh, reshards: bool,
     mp_policy: MixedPrecision, float8: Float8Gather | None,
@@ -257,8 +264,7 @@ def _dense_info(
         grad_divisor=mesh.size(),
         reshard_after_forward=reshards,
         float8=float8,
-        mixed_precision=mp_policy,
-        **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(param.dtype))),
+        **_dtypes(mp_policy, param.dtype),
     )
 
 
@@ -350,7 +356,6 @@ def _expert_shard(
             _reshards(reshard_after_forward, expert.fqn) and expert.strategy == "optim_grads_params"
         ),
         ep_group_outside_mesh=expert.ep_group_outside_mesh,
-        mixed_precision=mp_policy,
-        **dict(zip(("param_dtype", "reduce_dtype"), mp_policy.resolve(expert.param.dtype))),
+        **_dtypes(mp_policy, expert.param.dtype),
     )
     return _shard(expert.param, expert.mesh, expert.placements, info)

@@ -69,7 +69,8 @@ from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.ops import padded_rows
 
 __all__ = [
-    "FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat", "note_graded", "hold_local",
+    "FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat", "note_graded",
+    "hold_local",
 ]
 
 

@@ -111,7 +111,8 @@ def materialise_loaded_flats(block: nn.Module, incompatible_keys) -> None:
             left = [n for n, values in zip(flat._mfsdp.members, loaded) if values is None]
             raise UsageError(
                 f"the load gave values to some parameters of {flat._mfsdp.fqn.rpartition('.')[0]}, "
-                f"still on the meta device, but not to {', '.join(left)}: a block's parameters share one buffer, "
+                f"still on the meta device, but not to {', '.join(left)}: a block's parameters "
+                "share one buffer, "
                 "materialised together. Load them all, or call model.to_empty(device=...) "
                 "before loading."
             )
