@@ -226,8 +226,8 @@ def fully_shard(
         sharded[key] = _shard(param, mesh, _placements(strategy, mesh), info, values)
     _swap_in(module, sharded)
     _reshard_wrapped_units(module)
-    install_outermost_hook(module)
     install_regions(module)
+    install_outermost_hook(module)
     # An HF model decides its attention masks from its inputs' values before Dynamo traces
     # it (NOTE: HF's value-dependent decisions, made before the trace, in hf.py).
     install_prelude(module)

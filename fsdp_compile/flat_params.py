@@ -41,8 +41,9 @@ NOTE: flat parameters
     Freezing or unfreezing parameters between steps (a backbone frozen for the first epochs,
     layers unfrozen one by one) must train what eager would. A flat requires a gradient when
     any of its members does (``follow_members``, run before each forward of the outermost unit,
-    fsdp_compile/outermost_unit.py): Dynamo guards on the flat's flag, so a block all frozen
-    or unfrozen recompiles the step and a frozen block computes no weight gradient and
+    fsdp_compile/outermost_unit.py; traced inside a function of the user's, while Dynamo traces
+    it, each member's flag then a guard): Dynamo guards on the flat's flag, so a block all
+    frozen or unfrozen recompiles the step and a frozen block computes no weight gradient and
     reduces none. A member frozen beside trainable ones shares their flat's gradient; the
     hand-out leaves its ``.grad`` as autograd leaves a frozen leaf's, so neither the optimizer
     nor weight decay touches it.

@@ -1,8 +1,9 @@
 """What runs before each forward of the outermost unit, the module a step is called on.
 
-``torch.compile(model)`` runs a module's hooks outside Dynamo, before the compiled frame's
-guards are checked, so a hook here sees the model as the user left it between steps: once a
-step, eagerly. Each ``fully_shard`` call moves the hook to the module it shards, so only the
+``torch.compile(model)`` (and ``model.compile()``) runs a module's hooks outside Dynamo, before
+the compiled frame's guards are checked, so a hook here sees the model as the user left it
+between steps: once a step, eagerly. Called inside a function of the user's that Dynamo traces,
+the hook is traced with it, and what it must see is made guards of that frame. Each ``fully_shard`` call moves the hook to the module it shards, so only the
 outermost unit keeps it.
 """
 
@@ -14,6 +15,7 @@ from torch._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from fsdp_compile.flat_params import follow_members
+from fsdp_compile.region_tables import BLOCKS
 from fsdp_compile.regions import is_region
 from fsdp_compile.sharding_checks import refuse_meta_parameters
 
@@ -22,11 +24,13 @@ __all__ = ["install_outermost_hook"]
 
 def install_outermost_hook(module: nn.Module) -> None:
     """``_before_forward`` runs before the forward of ``module``, and no longer before those of
-    the units inside it."""
+    the units inside it; called once ``module``'s repeated blocks are installed."""
     for unit_module in module.modules():
         for handle in unit_module.__dict__.pop("_mfsdp_outermost_hooks", ()):
             handle.remove()
         unit_module.__dict__.pop("_mfsdp_regions", None)
+    # A tuple: the model holds its blocks.
+    module._mfsdp_regions = tuple(m for m in module.modules() if is_region(m))
     module._mfsdp_outermost_hooks = (module.register_forward_pre_hook(_before_forward, prepend=True, with_kwargs=True),)
 
 
@@ -34,25 +38,37 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse parameters still on the meta device; make each block's flats require a gradient
     as their members now do (NOTE: requires_grad after fully_shard, in flat_params.py)."""
     refuse_meta_parameters(module, args, kwargs)
-    # Traced inside a frame of the user's, the flags are that frame's guards to keep: reading
-    # each member here would make Dynamo wrap every parameter of every layer.
-    if torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
+        _follow_members(module._mfsdp_regions)
         return
-    for block in _regions(module):
+    # Traced, inside a function of the user's (``torch.compile(train_step)``): the flats follow
+    # while Dynamo traces, before the blocks read them, and each member's flag read here is a
+    # guard of the frame, so a flag changed since traces it again.
+    blocks = module._mfsdp_regions
+    for block, members in zip(blocks, _follow_members_in_trace(tuple(block._mfsdp_region_key for block in blocks))):
+        for owner, name in members:
+            block.get_submodule(owner)._parameters[name].requires_grad  # noqa: B018 (the read is the guard)
+
+
+def _follow_members(blocks: tuple[nn.Module, ...]) -> None:
+    for block in blocks:
         for flat in block._mfsdp_region_flats.values():
             follow_members(flat)
 
 
-def _regions(module: nn.Module) -> tuple[nn.Module, ...]:
-    """The repeated blocks under ``module``, found at its first forward, when every
-    ``fully_shard`` call has installed them (a tuple: the model holds the blocks)."""
-    regions = module.__dict__.get("_mfsdp_regions")
-    if regions is None:
-        regions = module._mfsdp_regions = tuple(m for m in module.modules() if is_region(m))
-    return regions
+@torch._dynamo.assume_constant_result
+def _follow_members_in_trace(block_keys: tuple[int, ...]) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Run, not traced, by Dynamo (it takes constants only): ``_follow_members``, and per
+    block where its flats' members are, as (owning submodule's path, parameter name)."""
+    blocks = tuple(BLOCKS[key] for key in block_keys)
+    _follow_members(blocks)
+    return tuple(
+        tuple(path.rpartition(".")[::2] for members in block._mfsdp_region.flats for path in members)
+        for block in blocks
+    )
 
 
 # Run by Python with all it calls: under torch.compile(model) Dynamo offers every frame a hook
-# runs to the backend, and would trace each of these once (the walk over the model's modules
+# runs to the backend, and would trace each of these once (the loop over the blocks
 # included) for no graph: they call no tensor op a graph should hold.
 set_code_exec_strategy(_before_forward.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))

@@ -235,12 +235,12 @@ def _freeze_one_member(model, step):
 _FREEZING = {0: _freeze_layer, 1: _unfreeze, 2: _freeze_one_member, 3: _freeze_layer}
 
 
-def _train_freezing(model, forward) -> list:
-    """Four AdamW steps (weight decay on) under ``_FREEZING``: per step, the loss and each
+def _train_freezing(model, forward, freezing: dict = _FREEZING) -> list:
+    """Four AdamW steps (weight decay on) under ``freezing``: per step, the loss and each
     parameter's gradient (None where autograd gives none), gathered."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     steps = []
-    for step, change in _FREEZING.items():
+    for step, change in freezing.items():
         change(model, step)
         tokens, targets = make_batch(CFG, 2, 8, step, 0)
         loss = loss_fn(forward(tokens), targets)
@@ -279,6 +279,45 @@ def test_parameters_frozen_and_unfrozen_after_sharding_train_as_unsharded(compil
         assert torch.allclose(params[name], param.detach(), rtol=1e-5, atol=1e-7), name
     if compiled:  # all trainable, layer 0 frozen, then all again: the first graph serves
         assert len(backend.graphs) <= 3, len(backend.graphs)
+
+
+def _evaluate(model, step):
+    with torch.no_grad():
+        model(make_batch(CFG, 2, 8, 9, 0)[0])
+
+
+# Layer 0 frozen before fully_shard (its flat made frozen), then unfrozen, frozen and unfrozen
+# again: each state meets a graph traced under the other, then one traced under its own.
+_REFREEZING = {0: _evaluate, 1: _unfreeze, 2: _freeze_layer, 3: _unfreeze}
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", ["your_function", "module_compile"])
+def test_a_model_traced_inside_your_compiled_function_follows_requires_grad(compiled):
+    """The model called inside a function of the user's that Dynamo traces
+    (``torch.compile(train_step)``), or compiled by ``module.compile()``, runs its hooks
+    traced: a block frozen when sharded, or when last called on its own, and unfrozen since
+    computed no gradient and silently did not train. Each member's flag is now a guard of the frame and the flats
+    follow at its trace, so every step trains what the unsharded model does."""
+    reference = build_model(CFG)
+    reference.layers[0].requires_grad_(False)
+    expected = _train_freezing(reference, reference, _REFREEZING)
+    with one_rank_group():
+        model = build_model(CFG)
+        model.layers[0].requires_grad_(False)
+        fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        if compiled == "module_compile":
+            model.compile(backend=backend)
+            forward = model
+        else:
+            forward = torch.compile(lambda tokens: model(tokens), backend=backend)
+        got = _train_freezing(model, forward, _REFREEZING)
+    for step, ((loss, grads), (want_loss, want)) in enumerate(zip(got, expected)):
+        assert torch.equal(loss, want_loss), (step, loss, want_loss)
+        assert {n for n, g in grads.items() if g is None} == {n for n, g in want.items() if g is None}, step
+        for name, grad in grads.items():
+            assert grad is None or torch.allclose(grad, want[name], rtol=1e-5, atol=1e-7), (step, name)
 
 
 def _accumulate_then_unfreeze(model, forward, sharded: bool) -> list:
