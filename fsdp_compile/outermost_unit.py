@@ -3,8 +3,9 @@
 ``torch.compile(model)`` (and ``model.compile()``) runs a module's hooks outside Dynamo, before
 the compiled frame's guards are checked, so a hook here sees the model as the user left it
 between steps: once a step, eagerly. Called inside a function of the user's that Dynamo traces,
-the hook is traced with it, and what it must see is made guards of that frame. Each ``fully_shard`` call moves the hook to the module it shards, so only the
-outermost unit keeps it.
+the hook is traced with it, and what it must see is made guards of that frame. Each
+``fully_shard`` call moves the hook to the module it shards, so only the outermost unit keeps
+it.
 """
 
 from __future__ import annotations
