@@ -19,8 +19,10 @@ NOTE: reads outside a forward
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -34,6 +36,7 @@ from fsdp_compile.state_loading import load_into_shards
 
 __all__ = [
     "set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "gather", "in_a_forward",
+    "copied_module",
 ]
 
 
@@ -138,17 +141,103 @@ torch._dynamo.eval_frame.skip_code(gather.__code__)
 torch._dynamo.eval_frame.skip_code(unshard_marker.__code__)
 
 
+# NOTE: converting after torch.compile
+#     ``nn.Module._apply`` (``.to``, ``.cuda``, ``.float``) swaps each DTensor parameter for its
+#     converted self with ``torch.utils.swap_tensors``, even when nothing changes, and
+#     ``swap_tensors`` refuses a tensor anything holds a weak reference to. A step compiled by
+#     mfsdp takes the sharded parameters outside the flats as graph inputs, and its compiled
+#     code (kept in the traced module's globals, past ``torch.compiler.reset()``) holds the
+#     fake-tensor memo that refers to them weakly (pytorch#186796). FSDP2's graphs take its
+#     unsharded plain tensors, so FSDP2 does not meet it. So a parameter the conversion leaves
+#     as it is (``model.to(device)`` on that device, ``.float()`` of fp32) is left out of
+#     torch's loop, and a real conversion of a traced one is refused before anything changes,
+#     naming the fix; flats are replaced, not swapped (``regions._refresh_params``), and their
+#     members are no graph inputs, so they convert after a compile too.
+
+
+def _untouched_by(module: nn.Module, fn) -> set[str]:
+    """The names of ``module``'s own sharded parameters that ``fn`` leaves as they are and that
+    torch could not swap (see NOTE: converting after torch.compile); raises a ``UsageError``
+    if ``fn`` would convert such a parameter anywhere under ``module``."""
+    untouched = set()
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if shard_info(param) is None or not weakref.getweakrefcount(param):
+                continue
+            if fn(param) is not param:
+                raise UsageError(
+                    f"cannot convert parameter {name} ({param.dtype}, {param.device}): a step "
+                    "compiled by mfsdp traced it, and torch swaps a converted DTensor parameter "
+                    "in with torch.utils.swap_tensors, which refuses a tensor the compiled code "
+                    "still refers to (pytorch#186796). Move and cast the model before "
+                    "torch.compile; for bf16 compute, keep fp32 parameters and pass "
+                    "mp_policy=MixedPrecision(param_dtype=torch.bfloat16) to fully_shard."
+                )
+            if name in module._parameters:
+                untouched.add(name)
+    return untouched
+
+
 def _reattach_shard_info(self: nn.Module, fn, recurse: bool = True):
     """``nn.Module._apply`` (``to_empty``, ``.to``, ``.cuda``, ``.float``) may wrap converted
     tensors in new Parameter objects; give them back their sharding record, for the dtype
-    they are now stored in (``ShardInfo.stored_as``)."""
+    they are now stored in (``ShardInfo.stored_as``). A traced parameter ``fn`` leaves as it
+    is stays out of torch's loop (see NOTE: converting after torch.compile)."""
     records = {name: shard_info(p) for name, p in self._parameters.items() if shard_info(p) is not None}
-    result = self._mfsdp_base._apply(self, fn, recurse)
+    held = {name: self._parameters[name] for name in _untouched_by(self, fn)}
+    for name in held:  # nn.Module._apply skips a None parameter
+        self._parameters[name] = None
+    try:
+        result = self._mfsdp_base._apply(self, fn, recurse)
+    finally:
+        self._parameters.update(held)
     for name, info in records.items():
         param = self._parameters[name]
         if param is not None:
             param._mfsdp = info.stored_as(param.dtype)
     return result
+
+
+# NOTE: copying a sharded model
+#     ``copy.deepcopy(model)`` after ``fully_shard`` (an EMA copy, ``AveragedModel(model)``)
+#     gives a sharded model of its own: the same meshes and sharding, its own shards, trained
+#     and compiled on its own (FSDP2 refuses to copy). Python's deepcopy, left to itself,
+#     cannot copy a sharded parameter that holds a view at an offset (a flat's member; after
+#     a step, a tensor-parallel one): the DTensor wrapper reports a data pointer but holds no
+#     storage of its own ("invalid python storage"). And it would copy a region's bookkeeping
+#     verbatim: its key (the copy's compiled calls would run the original's block) and its
+#     flats (whose members are the original's). So each module with sharded parameters copies
+#     them first, each as a DTensor over a clone of its shard (the memo then maps every
+#     holder of a tied one to that copy), then the rest as deepcopy would; a region then
+#     makes a key and flats of its own (``regions._copied_region``). Meshes and process
+#     groups are shared, as DTensor's own copies share them.
+
+
+def _copied_parameter(param: nn.Parameter, memo: dict) -> nn.Parameter:
+    """A sharded parameter's copy, over a clone of its shard (a flat's member holds it until
+    the copied region links it to a flat of its own)."""
+    local = param._local_tensor.detach().clone()
+    dtensor = DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+    copied = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    attributes = {k: v for k, v in param.__dict__.items() if k not in ("_is_param", "_mfsdp_flat")}
+    copied.__dict__.update(copy.deepcopy(attributes, memo))
+    if param.grad is not None:  # maybe a view at an offset too: a copy of its own
+        copied.grad = param.grad.detach().clone()
+    return copied
+
+
+def copied_module(module: nn.Module, memo: dict, leave_out: tuple[str, ...] = ()) -> nn.Module:
+    """``copy.deepcopy`` of a module with sharded parameters (see NOTE: copying a sharded
+    model), but for the attributes ``leave_out``."""
+    for param in module._parameters.values():
+        if shard_info(param) is not None and id(param) not in memo:
+            memo[id(param)] = _copied_parameter(param, memo)
+    copied = type(module).__new__(type(module))
+    memo[id(module)] = copied
+    copied.__setstate__(copy.deepcopy({k: v for k, v in module.__dict__.items() if k not in leave_out}, memo))
+    return copied
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
@@ -215,6 +304,7 @@ def install_properties(module: nn.Module, names: set[str]) -> None:
             "_mfsdp_names": names,
             "_apply": _reattach_shard_info,
             "_load_from_state_dict": load_into_shards,
+            "__deepcopy__": copied_module,
             "set_requires_gradient_sync": _set_requires_gradient_sync,
             # Printed as the user's class: libraries key registries on str(cls) (HF's output
             # recorders), and the class is the user's but for the getters.

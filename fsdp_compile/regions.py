@@ -52,7 +52,7 @@ from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED
 from fsdp_compile.block_record import BlockCall, FlatCopy, register_call
 from fsdp_compile.block_runtime import autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat, note_graded
-from fsdp_compile.gathered_reads import unshard_marker
+from fsdp_compile.gathered_reads import copied_module, unshard_marker
 from fsdp_compile.records import next_param_id, shard_info
 from fsdp_compile.region_body import body_for, region_inline
 from fsdp_compile.region_tables import (
@@ -252,6 +252,28 @@ def _refresh_params(self: nn.Module, fn, recurse: bool = True):
     return result
 
 
+_OWN_BOOKKEEPING = ("_mfsdp_region_key", "_mfsdp_region_flats", "_mfsdp_region_params")
+
+
+def _copied_region(self: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a region: a region of its own, with a key and flats of its own, its
+    members linked to them as ``fully_shard`` links them (see NOTE: copying a sharded model,
+    in gathered_reads.py)."""
+    copied = copied_module(self, memo, leave_out=_OWN_BOOKKEEPING)
+    copied._mfsdp_region_key = next(BLOCK_KEYS)
+    BLOCKS[copied._mfsdp_region_key] = copied
+    layout: RegionLayout = self._mfsdp_region
+    copied._mfsdp_region_flats = {
+        name: make_flat(
+            [param_at(copied, p) for p in paths], param_id=next_param_id(), fqn=flat._mfsdp.fqn,
+            names=flat._mfsdp.members,
+        )
+        for (name, flat), paths in zip(self._mfsdp_region_flats.items(), layout.flats)
+    }
+    copied._mfsdp_region_params = _params_alone(copied, layout.alone)
+    return copied
+
+
 def _params_alone(block: nn.Module, paths: tuple[str, ...]) -> dict[str, nn.Parameter]:
     """The parameters gathered on their own, by path relative to the block (a dict: Dynamo
     names each graph input after its key, so plans see the parameter's path)."""
@@ -321,6 +343,7 @@ def _make_region(block: nn.Module, layout: RegionLayout, path: str) -> None:
                 "_mfsdp_region_forward": cls.forward,
                 "_mfsdp_region_base": cls,
                 "_apply": _refresh_params,
+                "__deepcopy__": _copied_region,
                 "_mfsdp_note_graded": _note_graded,
                 "__module__": cls.__module__,  # printed as the user's (see gathered_reads.install_properties)
                 "__qualname__": cls.__qualname__,

@@ -429,3 +429,49 @@ def test_a_block_parameter_without_gradient_keeps_none_and_is_not_decayed():
             # Inductor's kernels round apart from eager's, and AdamW carries it over four
             # steps (seen 2.6e-5); a decayed or lost gradient is off by 1e-3 or more.
             assert got["error"][0] < (1e-4 if "inductor" in mode else 1e-5), (mode, got["error"])
+
+
+def _train_with_ema(model, compiled: bool, steps: int = 3):
+    """AdamW on ``model`` and an EMA of it kept by torch's ``AveragedModel`` (which deep-copies
+    the model it is given), both compiled or both not; returns the EMA's output on each step's
+    batch and its parameters, full."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    forward, ema_forward = (
+        (torch.compile(m, backend=MfsdpBackend(compiler="eager")) for m in (model, ema)) if compiled else (model, ema)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outputs = []
+    for step in range(steps):
+        tokens, targets = make_batch(CFG, 2, 8, step, 0)
+        loss_fn(forward(tokens), targets).backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update_parameters(model)
+        with torch.no_grad():
+            outputs.append(ema_forward(tokens))
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in ema.module.named_parameters()}
+    return ema, outputs, full
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_an_ema_copy_made_after_fully_shard_is_a_sharded_model_of_its_own(compiled):
+    """``AveragedModel(model)`` after ``fully_shard`` deep-copies the sharded model (NOTE:
+    copying a sharded model, in fsdp_compile/regions.py; FSDP2 refuses): the copy's blocks
+    hold their shards in flats of their own, under keys of their own, and the EMA it keeps,
+    compiled or not, equals the unsharded model's EMA bit for bit."""
+    _, want_outputs, want = _train_with_ema(build_model(CFG), compiled=False)
+    with one_rank_group():
+        model = fully_shard(build_model(CFG))
+        ema, outputs, got = _train_with_ema(model, compiled)
+        for layer, copied in zip(model.layers, ema.module.layers):
+            assert copied._mfsdp_region_key != layer._mfsdp_region_key
+            assert _storage(_flat(copied)) != _storage(_flat(layer))
+            assert all(p._mfsdp_flat is _flat(copied) for p in copied.parameters())
+            assert all(_storage(p.to_local()) == _storage(_flat(copied)) for p in copied.parameters())
+    for output, want_output in zip(outputs, want_outputs):
+        assert torch.equal(output, want_output)
+    for name, param in want.items():
+        assert torch.equal(got[name], param), name

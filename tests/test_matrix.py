@@ -8,7 +8,8 @@ MoE model on dp 2 x tp 2, its attention outputs split over "tp", its experts ove
 APIs: training
 to parity, debug dumps, ``explain``, the bench's collective census, gradient accumulation,
 both clip functions, full and sharded state dicts, DCP save/load, meta-device init,
-activation checkpointing (with dropout), the ``cuda_graph`` check and float8 (torchao) weights. Each pair is one test: it fails if the
+activation checkpointing (with dropout), the ``cuda_graph`` check, float8 (torchao) weights and
+``copy.deepcopy``. Each pair is one test: it fails if the
 API raises on that layout or its result is wrong. The bug class this catches: code written for
 one strategy (a reader that took every collective for a gather or a reduce-scatter crashed
 the dumps and ``explain`` for ``no_shard``, ``optim`` and HSDP; Megatron-FSDP's ``no_shard``
@@ -21,6 +22,7 @@ start once however the tests are ordered or selected.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tempfile
@@ -403,6 +405,20 @@ def _float8(ctx: RankContext) -> dict:
     }
 
 
+def _deepcopy(ctx: RankContext) -> dict:
+    """``copy.deepcopy`` of the trained, compiled model (an EMA copy's habit) is a sharded
+    model of its own: equal to it when copied; then, loaded with the initial weights and
+    compiled, it trains to parity while the original keeps its weights (a copy that shared
+    the original's blocks or shards would move them, or train them instead of its own)."""
+    model = _trained(ctx)
+    before = full_parameters(model)
+    copied = copy.deepcopy(model)
+    at_copy = max_param_error(full_parameters(copied), before)
+    set_model_state_dict(copied, _initial_state(ctx.layout.cfg, copied), options=StateDictOptions(full_state_dict=True))
+    result = ctx.parity(ctx.layout.cfg, copied, ctx.compiled(copied)[0])
+    return {**result, "at_copy": at_copy, "original_moved": max_param_error(full_parameters(model), before)}
+
+
 APIS = {
     "train": _train,
     "clip_torch": _clip_torch,
@@ -418,6 +434,7 @@ APIS = {
     "activation_checkpointing": _activation_checkpointing,
     "cuda_graph_check": _cuda_graph_check,
     "float8": _float8,
+    "deepcopy": _deepcopy,
 }
 
 
@@ -467,6 +484,9 @@ def _check(api: str, layout: Layout, r: dict) -> None:
         for run in ("compiled", "uncompiled"):
             assert _close(r[run], "loss_error", "param_error", bound=bound), r
     elif api in ("clip_fsdp_compile", "meta_init"):
+        assert _close(r, "loss_error", "param_error", bound=bound), r
+    elif api == "deepcopy":
+        assert r["at_copy"][0] == 0 and r["original_moved"][0] == 0, r
         assert _close(r, "loss_error", "param_error", bound=bound), r
     elif api == "clip_torch":
         if layout.expert_parallel or layout.tensor_parallel:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fsdp_compile.ops
-from fsdp_compile import MfsdpBackend, MixedPrecision, fully_shard
+from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.patterns import (
     cast_dtype,
@@ -373,9 +373,40 @@ def test_a_model_cast_after_sharding_computes_in_its_new_dtype(compiled):
         block = model.layers[0]._mfsdp_region_flats["_flat0"]
         assert (shard_info(block).param_dtype, shard_info(block).reduce_dtype) == (torch.bfloat16, torch.float32)
         assert shard_info(model.embed.weight).reduce_dtype == torch.bfloat16
-        if compiled:
-            return  # Dynamo's weak references to the parameters stop torch's _apply swapping them
+        if compiled:  # NOTE: converting after torch.compile, in fsdp_compile/gathered_reads.py
+            with pytest.raises(UsageError, match="before torch.compile"):
+                model.float()
+            assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # refused before any change
+            return
         model.float()
         assert {(shard_info(p).param_dtype, shard_info(p).reduce_dtype) for p in model.head.parameters()} == {
             (torch.float32, torch.float32)
         }
+
+
+@pytest.mark.structure
+def test_moving_a_compiled_model_where_it_is_changes_nothing():
+    """``model.to(device)`` on its own device and ``.float()`` of an fp32 model, after a
+    compiled step (an evaluation helper's habit), leave every parameter the object and the
+    values it was (the optimizer's), and the next steps train as the unsharded model on the
+    graph already compiled (NOTE: converting after torch.compile, in
+    fsdp_compile/gathered_reads.py; torch's swap of each DTensor parameter failed before)."""
+    cfg = TransformerConfig()
+    expected = build_model(cfg)
+    with one_rank_group():
+        model = fully_shard(build_model(cfg))
+        backend = MfsdpBackend(compiler="eager")
+        forward = torch.compile(model, backend=backend)
+        params = list(model.parameters())
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, expected)]
+        for step in range(3):
+            inputs, targets = make_batch(cfg, 2, 16, step, 0)
+            for run, opt in zip((forward, expected), opts):
+                loss_fn(run(inputs), targets).backward()
+                opt.step()
+                opt.zero_grad()
+            model.to("cpu").float()
+            assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+        assert len(backend.graphs) == 1
+        for (name, param), want in zip(model.named_parameters(), expected.parameters()):
+            assert torch.allclose(param.full_tensor(), want, rtol=1e-5, atol=1e-7), name
