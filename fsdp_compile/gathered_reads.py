@@ -236,7 +236,10 @@ def copied_module(module: nn.Module, memo: dict, leave_out: tuple[str, ...] = ()
             memo[id(param)] = _copied_parameter(param, memo)
     copied = type(module).__new__(type(module))
     memo[id(module)] = copied
-    copied.__setstate__(copy.deepcopy({k: v for k, v in module.__dict__.items() if k not in leave_out}, memo))
+    # As deepcopy does: through __getstate__, which leaves out what must not be shared (a
+    # ``module.compile()``'s compiled call, bound to the original).
+    state = {k: v for k, v in module.__getstate__().items() if k not in leave_out}
+    copied.__setstate__(copy.deepcopy(state, memo))
     return copied
 
 

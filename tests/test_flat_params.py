@@ -431,16 +431,20 @@ def test_a_block_parameter_without_gradient_keeps_none_and_is_not_decayed():
             assert got["error"][0] < (1e-4 if "inductor" in mode else 1e-5), (mode, got["error"])
 
 
-def _train_with_ema(model, compiled: bool, steps: int = 3):
+def _train_with_ema(model, how: str, steps: int = 3):
     """AdamW on ``model`` and an EMA of it kept by torch's ``AveragedModel`` (which deep-copies
-    the model it is given), both compiled or both not; returns the EMA's output on each step's
-    batch and its parameters, full."""
+    the model it is given); ``how``: both compiled by ``torch.compile``, the model compiled by
+    ``model.compile()`` before it is copied (the copy runs uncompiled, as torch's copies of a
+    compiled module do), or neither compiled. Returns the EMA's output on each step's batch
+    and its parameters, full."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+    if how == "module_compile":
+        model.compile(backend=MfsdpBackend(compiler="eager"))
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    forward, ema_forward = (
-        (torch.compile(m, backend=MfsdpBackend(compiler="eager")) for m in (model, ema)) if compiled else (model, ema)
-    )
+    forward, ema_forward = model, ema
+    if how == "compiled":
+        forward, ema_forward = (torch.compile(m, backend=MfsdpBackend(compiler="eager")) for m in (model, ema))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     outputs = []
     for step in range(steps):
@@ -456,16 +460,18 @@ def _train_with_ema(model, compiled: bool, steps: int = 3):
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
-def test_an_ema_copy_made_after_fully_shard_is_a_sharded_model_of_its_own(compiled):
+@pytest.mark.parametrize("how", ["compiled", "module_compile", "eager"])
+def test_an_ema_copy_made_after_fully_shard_is_a_sharded_model_of_its_own(how):
     """``AveragedModel(model)`` after ``fully_shard`` deep-copies the sharded model (NOTE:
-    copying a sharded model, in fsdp_compile/regions.py; FSDP2 refuses): the copy's blocks
-    hold their shards in flats of their own, under keys of their own, and the EMA it keeps,
-    compiled or not, equals the unsharded model's EMA bit for bit."""
-    _, want_outputs, want = _train_with_ema(build_model(CFG), compiled=False)
+    copying a sharded model, in fsdp_compile/gathered_reads.py; FSDP2 refuses): the copy's
+    blocks hold their shards in flats of their own, under keys of their own, and the EMA it
+    keeps, compiled or not, equals the unsharded model's EMA bit for bit. A copy of a model
+    compiled by ``model.compile()`` once ran the original's compiled call, so its outputs
+    were the original's."""
+    _, want_outputs, want = _train_with_ema(build_model(CFG), "eager")
     with one_rank_group():
         model = fully_shard(build_model(CFG))
-        ema, outputs, got = _train_with_ema(model, compiled)
+        ema, outputs, got = _train_with_ema(model, how)
         for layer, copied in zip(model.layers, ema.module.layers):
             assert copied._mfsdp_region_key != layer._mfsdp_region_key
             assert _storage(_flat(copied)) != _storage(_flat(layer))
