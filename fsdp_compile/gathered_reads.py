@@ -216,11 +216,7 @@ def _reattach_shard_info(self: nn.Module, fn, recurse: bool = True):
 def _copied_parameter(param: nn.Parameter, memo: dict) -> nn.Parameter:
     """A sharded parameter's copy, over a clone of its shard (a flat's member holds it until
     the copied region links it to a flat of its own)."""
-    local = param._local_tensor.detach().clone()
-    dtensor = DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
-    copied = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    copied = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)  # DTensor's clone
     attributes = {k: v for k, v in param.__dict__.items() if k not in ("_is_param", "_mfsdp_flat")}
     copied.__dict__.update(copy.deepcopy(attributes, memo))
     if param.grad is not None:  # maybe a view at an offset too: a copy of its own
