@@ -34,6 +34,7 @@ from fsdp_compile.expert_parallel import (
 from fsdp_compile.float8 import Float8Gather, float8_gather_of, is_float8_weight, master_weight
 from fsdp_compile.gathered_reads import install_properties
 from fsdp_compile.hf import install_prelude
+from fsdp_compile.meta_buffers import watch_meta_buffers
 from fsdp_compile.ops import GATHERING_STRATEGIES, Strategy, padded_rows
 from fsdp_compile.optim_guard import install as install_optimizer_guard
 from fsdp_compile.records import (
@@ -228,6 +229,7 @@ def fully_shard(
     _reshard_wrapped_units(module)
     install_regions(module)
     install_outermost_hook(module)
+    watch_meta_buffers(module)  # NOTE: non-persistent buffers after a meta init
     # An HF model decides its attention masks from its inputs' values before Dynamo traces
     # it (NOTE: HF's value-dependent decisions, made before the trace, in hf.py).
     install_prelude(module)

@@ -16,6 +16,7 @@ from torch._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from fsdp_compile.flat_params import follow_members
+from fsdp_compile.meta_buffers import refuse_unfilled_buffers
 from fsdp_compile.region_tables import BLOCKS
 from fsdp_compile.regions import is_region
 from fsdp_compile.sharding_checks import refuse_meta_parameters
@@ -36,9 +37,11 @@ def install_outermost_hook(module: nn.Module) -> None:
 
 
 def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Refuse parameters still on the meta device; make each block's flats require a gradient
-    as their members now do (NOTE: requires_grad after fully_shard, in flat_params.py)."""
+    """Refuse parameters still on the meta device and non-persistent buffers a meta init left
+    unfilled; make each block's flats require a gradient as their members now do (NOTE:
+    requires_grad after fully_shard, in flat_params.py)."""
     refuse_meta_parameters(module, args, kwargs)
+    refuse_unfilled_buffers(module)
     if not torch.compiler.is_compiling():
         _follow_members(module._mfsdp_regions)
         return

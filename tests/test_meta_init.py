@@ -106,23 +106,34 @@ def test_a_model_s_own_init_after_to_empty_writes_the_shards():
     assert type(gathered["head"]) is torch.Tensor and gathered["head"].shape == expected.head.weight.shape
 
 
+def _llama_config():
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )
+
+
+def _llama_sharded_on_meta(cfg):
+    """HF Llama built on the meta device, its layers sharded, then the model."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
 @pytest.mark.structure
 def test_an_hf_model_s_init_weights_after_to_empty_initialises_the_shards():
     """HF's meta-device flow: ``LlamaForCausalLM`` built on meta, sharded, ``to_empty``, then
     HF's own ``init_weights()`` (its ``_init_weights`` writes ``module.weight``): every rank's
     rows hold HF's init (norms 1, projections ~N(0, initializer_range)), none of to_empty's
     memory (NaN here) is left. Before, HF initialised gathered copies and the NaN stayed."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )
+    cfg = _llama_config()
     with fake_process_group(2):
-        with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(cfg)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        model = _llama_sharded_on_meta(cfg)
         model.to_empty(device="cpu")
         with torch.no_grad():
             for param in model.parameters():
@@ -134,6 +145,49 @@ def test_an_hf_model_s_init_weights_after_to_empty_initialises_the_shards():
             assert torch.equal(shard, torch.ones_like(shard)), name
         else:
             assert abs(shard.std().item() - cfg.initializer_range) < 0.3 * cfg.initializer_range, (name, shard.std())
+
+
+@pytest.mark.structure
+def test_an_hf_model_loaded_after_init_weights_trains_as_unsharded():
+    """HF's meta-device flow to the end: ``LlamaForCausalLM`` built on meta, sharded,
+    ``to_empty``, ``init_weights()`` (HF's ``_init_weights`` also computes the rotary
+    ``inv_freq``, which no state dict holds), the trained weights loaded; the compiled steps
+    then give the unsharded model's losses and weights. Without ``init_weights`` the first
+    step is refused, naming the buffers and the fix: before, it trained on what to_empty's
+    memory held (NOTE: non-persistent buffers after a meta init)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    transformers = pytest.importorskip("transformers")
+    cfg = _llama_config()
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(cfg)
+    weights = {name: value.clone() for name, value in reference.state_dict().items()}
+    batches = [torch.randint(0, 128, (2, 16)) for _ in range(2)]
+
+    def losses(model, forward):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        result = []
+        for ids in batches:
+            loss = forward(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            result.append(loss.detach())
+        return torch.stack(result)
+
+    expected = losses(reference, reference)
+    with one_rank_group():
+        model = _llama_sharded_on_meta(cfg)
+        model.to_empty(device="cpu")
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        with pytest.raises(ValueError, match=r"model\.rotary_emb\.inv_freq, model\.rotary_emb\.original_inv_freq were materialised by to_empty.*model\.init_weights\(\)"):
+            forward(input_ids=batches[0], labels=batches[0])
+        model.init_weights()
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+        actual = losses(model, forward)
+        params = full_parameters(model)
+    assert relative_error(actual, expected) < 1e-6, (actual, expected)
+    assert max_param_error(params, dict(reference.named_parameters()))[0] < 1e-6
 
 
 @pytest.mark.structure

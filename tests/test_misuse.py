@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard, shard_info
 from fsdp_compile.capture import _copy_into
-from harness import fake_process_group, spawn
+from harness import fake_process_group, one_rank_group, spawn
 
 
 @pytest.mark.structure
@@ -243,3 +243,66 @@ def test_meta_model_on_meta_inputs_is_no_mistake():
     """A step on meta inputs is what fsdp_compile.simulate traces (compiled: test_simulate.py)."""
     with fake_process_group(2):
         assert _meta_model_in_units()(torch.randn(2, 4, device="meta")).is_meta
+
+
+class _Scaled(nn.Module):
+    """A linear whose output is scaled by a non-persistent buffer, as HF's rotary embedding
+    reads ``inv_freq``: in no state dict, so no load fills it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def _forward_of(model, api: str):
+    backend = MfsdpBackend(compiler="eager")
+    if api == "compiled":
+        return torch.compile(model, backend=backend)
+    if api == "train_step":
+        return torch.compile(lambda x: model(x), backend=backend)
+    return model
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("api", ["eager", "compiled", "train_step"])
+@pytest.mark.parametrize("left", ["to_empty", "cast_after_to_empty", "loaded_on_meta"])
+def test_a_non_persistent_buffer_a_meta_init_leaves_unfilled_is_refused_with_the_fix(left, api):
+    """Before: the model ran on what to_empty's memory held (HF Llama's ``inv_freq``: 9.7e32
+    and zeros seen on the CPU, under FSDP2 too), or, loaded on meta, failed inside the first
+    forward after its collectives had started. Filled as the message says (in place, or
+    replaced as torchtitan does), the step computes the unsharded model's output."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Scaled(), _Scaled())
+    with one_rank_group():
+        with torch.device("meta"):
+            model = nn.Sequential(_Scaled(), _Scaled())
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        if left == "loaded_on_meta":
+            set_model_state_dict(model, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
+        else:
+            model.to_empty(device="cpu")
+            if left == "cast_after_to_empty":
+                model.double().float()  # a cast of unfilled memory is still unfilled
+            set_model_state_dict(model, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
+        forward = _forward_of(model, api)
+        x = torch.randn(2, 4)
+        how = "are still on the meta device" if left == "loaded_on_meta" else "were materialised by to_empty"
+        with pytest.raises(ValueError, match=rf"buffers of this Sequential 0\.scale, 1\.scale {how}.*model\.init_weights\(\)"):
+            forward(x)
+        with torch.no_grad():
+            model[0].scale = reference[0].scale.clone()  # replaced, as torchtitan builds freqs_cis
+            if left == "loaded_on_meta":
+                model[1].scale = reference[1].scale.clone()
+            else:
+                model[1].scale.copy_(reference[1].scale)  # written in place, as HF's init.copy_
+        if api == "train_step":  # Dynamo runs a frame that raised in Python from then on
+            forward = _forward_of(model, api)
+        torch.testing.assert_close(forward(x), reference(x), rtol=0, atol=0)
