@@ -106,9 +106,8 @@ def refuse_unfilled_buffers(root: nn.Module) -> None:
     raise UsageError(
         f"the non-persistent buffers of this {built_class_name(root)} {' and '.join(said)}; they "
         "are in no state dict, so loading the weights does not fill them. Compute them on "
-        "their device before the first forward: for an HF model, model.init_weights() right "
-        "after model.to_empty(device=...) and before loading the weights (HF's _init_weights "
-        "computes them), or model._init_weights(module) for the module that owns one (after "
-        "module.to_empty(device=...) if it is on meta); for a model of yours, as its __init__ "
-        "does (docs/user_guide.md, \"meta-device init\")."
+        "their device before the first forward: for an HF model, call "
+        "model.to_empty(device=...), then model.init_weights() (HF's _init_weights computes "
+        "them), then load the weights; for a model of yours, as its __init__ does "
+        "(docs/user_guide.md, \"meta-device init\")."
     )
