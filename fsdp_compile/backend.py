@@ -34,6 +34,7 @@ from fsdp_compile.block_call import block_calls_keep_their_buffers
 from fsdp_compile.block_record import call_record
 from fsdp_compile.block_runtime import PendingGraphs
 from fsdp_compile.compat import compile_caches_work, missing_gradients_stay_missing
+from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.debug import GraphDumper, debug_dir, frame_dumper
 from fsdp_compile.passes.check_graph_breaks import graph_break
 from fsdp_compile.patterns import is_block_call, is_block_forward, is_block_probe
@@ -243,6 +244,7 @@ class CompiledGraph:
                 example_inputs,
                 inner_compile=self._with_partitioned_passes(_keeping_block_buffers(compile_fx_inner)),
                 config_patches={
+                    **self.plan.options.inductor_config,  # NOTE: torch.compile's mode
                     "custom_partitioner_fn": partitioner,
                     # Inductor's peak-memory reordering would move each gather down to its
                     # wait and undo the planned prefetch; schedule_collectives bounds memory
@@ -321,7 +323,12 @@ class MfsdpBackend:
         """Per frame this backend compiled, by Dynamo's count of that frame's compiles, what
         that compile was for (NOTE: the recompile limit is said)."""
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list):
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, **given: Any):
+        if given:  # torch.compile(model, backend=MfsdpBackend(), mode=... or options=...)
+            raise CompileUsageError(
+                f"torch.compile passed {' and '.join(sorted(given))} to an MfsdpBackend object, "
+                "which takes them itself: MfsdpBackend(mode=..., **options)."
+            )
         return self._compile(self.graphs, gm, example_inputs)
 
     def says_first(self, said: tuple[str, str]) -> bool:
@@ -375,8 +382,7 @@ def compiling_backend() -> MfsdpBackend | None:
         if backend is mfsdp_backend:
             holder = holder or outermost  # torch._dynamo.optimize("mfsdp"): no options
             if getattr(holder, "_mfsdp_backend", None) is None:
-                options = (getattr(holder, "kwargs", None) or {}).get("options")
-                holder._mfsdp_backend = MfsdpBackend(**options or {})
+                holder._mfsdp_backend = _asked_by_torch_compile(**(getattr(holder, "kwargs", None) or {}))
             return holder._mfsdp_backend
         holder = backend if getattr(backend, "kwargs", None) is not None else holder
         backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
@@ -409,9 +415,26 @@ def _say_graph_break(gm: fx.GraphModule, owner: MfsdpBackend) -> None:
     )
 
 
-def mfsdp_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None):
-    """``torch.compile(model, backend="mfsdp", options={...})`` lands here once per graph."""
-    return MfsdpBackend(**(options or {}))(gm, example_inputs)
+# NOTE: torch.compile's mode
+#     ``torch.compile(model, backend="mfsdp", mode=...)`` hands the backend the mode (torch
+#     passes a backend other than Inductor either ``mode`` or ``options``). mfsdp compiles
+#     with Inductor, so it applies the mode's Inductor settings (``list_mode_options``:
+#     ``max_autotune``, ``coordinate_descent_tuning``) to every graph it compiles, the
+#     bodies included, and says once that it leaves out the mode's CUDA graphs: one per
+#     graph, between the step's collectives, where mfsdp captures the whole step in one
+#     (``capture_step``). ``MfsdpBackend(mode=...)`` and ``options={"mode": ...}`` do the same.
+
+
+def mfsdp_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):
+    """``torch.compile(model, backend="mfsdp", options={...})`` (or ``mode=...``) lands here
+    once per graph."""
+    return _asked_by_torch_compile(options, mode)(gm, example_inputs)
+
+
+def _asked_by_torch_compile(options: dict | None = None, mode: str | None = None) -> MfsdpBackend:
+    """The backend ``torch.compile(..., backend="mfsdp")`` asks for with its ``options`` or
+    its ``mode`` (NOTE: torch.compile's mode)."""
+    return MfsdpBackend(**(options or {}), **({} if mode is None else {"mode": mode}))
 
 
 def register() -> None:

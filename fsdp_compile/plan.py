@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
@@ -60,6 +61,10 @@ class BackendOptions:
     """Read and write torch's AOTAutograd and Inductor caches (a restart loads the compiled
     graphs instead of compiling them); False, or a ``debug_dir``: compile afresh, so every
     stage's graph exists to be dumped and inspected."""
+    mode: str | None = None
+    """``torch.compile``'s ``mode`` ("max-autotune", ...): its Inductor settings for every graph
+    Inductor compiles, bodies included, but Inductor's CUDA graphs: mfsdp captures a whole step
+    in one (``capture_step``; NOTE: torch.compile's mode, in fsdp_compile/backend.py)."""
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -86,7 +91,17 @@ class BackendOptions:
                 f"options['cuda_graph'] must be True or False, got {options['cuda_graph']!r}."
             )
         _check_schedule_options(options)
+        if options.get("mode") is not None:
+            _check_mode(options["mode"], compiler)
         return cls(**options)
+
+    @property
+    def inductor_config(self) -> dict:
+        """Inductor's settings for ``mode`` (NOTE: torch.compile's mode)."""
+        from torch._inductor import list_mode_options
+
+        settings = list_mode_options(self.mode) if self.mode is not None else {}
+        return {name: value for name, value in settings.items() if name != "triton.cudagraphs"}
 
     @property
     def bucket_cap_bytes(self) -> int | None:
@@ -108,6 +123,28 @@ def _check_schedule_options(options: dict) -> None:
     for name, (valid, expected) in checks.items():
         if name in options and not valid(options[name]):
             raise CompileUsageError(f"options[{name!r}] must be {expected}, got {options[name]!r}.")
+
+
+def _check_mode(mode: object, compiler: str) -> None:
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if mode not in modes:
+        raise CompileUsageError(f"mode must be one of {sorted(modes)}, got {mode!r}.")
+    if compiler == "eager" and mode != "default":
+        raise CompileUsageError(
+            f"mode={mode!r} sets how Inductor compiles, and options['compiler'] is 'eager', which "
+            "compiles nothing with Inductor: drop one of them."
+        )
+    if modes[mode].get("triton.cudagraphs"):
+        applied = [name for name in modes[mode] if name != "triton.cudagraphs"]
+        warnings.warn(
+            f"mode={mode!r}: mfsdp applies its Inductor settings ({', '.join(applied) or 'none'}) "
+            "but not its CUDA graphs, which would be one per graph, split at the collectives; "
+            "capture the whole step in one CUDA graph with fsdp_compile.capture_step(train_step, "
+            "...) (docs/cuda_graphs.md).",
+            stacklevel=2,
+        )
 
 
 def _is_number(value: object) -> bool:

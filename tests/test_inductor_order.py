@@ -158,3 +158,40 @@ def _packs_and_those_made_while_a_reduce_scatter_is_open(code: str) -> tuple[int
             packs += 1
             late += bool(open_)
     return packs, late
+
+
+@pytest.mark.parametrize("given", ["mode", "options"])
+def test_torch_compile_s_mode_tunes_every_inductor_compile_but_its_cuda_graphs(given, monkeypatch, tmp_path):
+    """``torch.compile(model, backend="mfsdp", mode="max-autotune")``: before, the backend
+    failed with "mfsdp_backend() got an unexpected keyword argument 'mode'". Now each graph
+    Inductor compiles, the step's forward and backward and the block's body, compiles under the
+    mode's settings, less its CUDA graphs, which is said with the fix (capture_step). Inductor
+    is then run without the tuning itself: what is checked is that the settings reach it."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._inductor import config as inductor_config
+
+    compiled_under = []
+    real_inner = compile_fx_module.compile_fx_inner
+
+    def recording_inner(gm, example_inputs, **kwargs):
+        compiled_under.append(
+            (inductor_config.max_autotune, inductor_config.coordinate_descent_tuning, inductor_config.triton.cudagraphs)
+        )
+        with inductor_config.patch(max_autotune=False, coordinate_descent_tuning=False):
+            return real_inner(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx_inner", recording_inner)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # every graph compiled, none loaded
+    cfg = TransformerConfig(n_layers=2)
+    with fake_process_group(2):
+        model = fully_shard(build_model(cfg))
+        tokens, targets = make_batch(cfg, 2, 8, 0)
+        with pytest.warns(UserWarning, match=r"mode='max-autotune'.*not its CUDA graphs.*capture_step"):
+            if given == "mode":
+                step = torch.compile(model, backend="mfsdp", mode="max-autotune")
+            else:
+                step = torch.compile(model, backend=MfsdpBackend(mode="max-autotune"))
+            loss_fn(step(tokens), targets).backward()
+    # The step's forward and backward and the body's forward and backward.
+    assert len(compiled_under) == 4, compiled_under
+    assert set(compiled_under) == {(True, True, False)}, compiled_under

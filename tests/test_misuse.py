@@ -108,11 +108,25 @@ def test_mp_policy_of_the_wrong_type():
     [
         ({"compiler": "aot_eager"}, "'inductor' or 'eager'"),
         ({"cuda_graph": "yes"}, "True or False"),
+        ({"mode": "fast"}, r"mode must be one of \['default', .*'max-autotune'"),
+        ({"mode": "max-autotune-no-cudagraphs", "compiler": "eager"}, "compiles nothing with Inductor: drop one"),
     ],
 )
 def test_bad_backend_option_values(options, message):
     with pytest.raises(ValueError, match=message):
         MfsdpBackend(**options)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("given", [{"mode": "max-autotune"}, {"options": {"prefetch": 2}}], ids=["mode", "options"])
+def test_torch_compile_s_mode_or_options_beside_a_backend_object_name_the_fix(given):
+    """torch.compile hands a backend object its ``mode`` or ``options`` as keywords: before,
+    "MfsdpBackend.__call__() got an unexpected keyword argument", inside Dynamo's
+    BackendCompilerFailed."""
+    with fake_process_group(2):
+        model = torch.compile(fully_shard(nn.Linear(4, 4)), backend=MfsdpBackend(compiler="eager"), **given)
+        with pytest.raises(ValueError, match=rf"passed {next(iter(given))} to an MfsdpBackend object.*MfsdpBackend\(mode=\.\.\., \*\*options\)"):
+            model(torch.randn(2, 4))
 
 
 @pytest.mark.structure
