@@ -135,7 +135,8 @@ def install_prelude(root: nn.Module) -> None:
 #     runs outside the HF model gathers each parameter it reads on its own, far cheaper than
 #     a masked attention in every layer. An HF model called inside one whose prelude runs (a
 #     causal LM's base model) is traced inline; a step that must be one graph
-#     (``cuda_graph=True``) traces every HF model inline, masked, said once with the fix.
+#     (``cuda_graph=True``, or ``fullgraph=True``, where a break raises) traces every HF
+#     model inline, masked, said once with the fix.
 
 _IN_PRELUDE = contextvars.ContextVar("mfsdp_hf_in_prelude", default=False)
 
@@ -143,7 +144,8 @@ _IN_PRELUDE = contextvars.ContextVar("mfsdp_hf_in_prelude", default=False)
 def _entry(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """An HF model's forward inside a module of the user's (NOTE: an HF model inside a
     module of yours): through the prelude, a graph of its own where Dynamo traces it; inline
-    inside another HF model's prelude, or where the step must be one graph."""
+    inside another HF model's prelude, or where the step must be one graph (``cuda_graph`` or
+    ``fullgraph``)."""
     if _inline_here(type(self).__name__):
         return type(self).forward(self, *args, **kwargs)
     return _PRELUDE(self, *args, **kwargs)
@@ -152,17 +154,19 @@ def _entry(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 @torch._dynamo.assume_constant_result
 def _inline_here(model: str) -> bool:
     """Whether an HF model's forward runs inline: inside another HF model's prelude, or in a
-    step that must be one graph (traced for ``cuda_graph=True``; said once). Run by Dynamo as
+    step that must be one graph (traced for ``cuda_graph=True`` or with ``fullgraph=True``;
+    said once). Run by Dynamo as
     it traces, a constant of the trace: a frame entered through a prelude always is, and
     Dynamo guards a compiled frame on its backend."""
     if _IN_PRELUDE.get():
         return True
     backend = compiling_backend()
-    if backend is None or not backend.options.cuda_graph:
+    asked = None if backend is None else "cuda_graph=True" if backend.options.cuda_graph else _asked_one_graph()
+    if asked is None:
         return False
     if backend.says_first(("an HF model traced inline", "")):  # the outermost, traced first
         warnings.warn(
-            f"cuda_graph=True: the HF model {model} inside the compiled module is traced into "
+            f"{asked}: the HF model {model} inside the compiled module is traced into "
             "the step's one graph, where HF builds a boolean attention mask (no FlashAttention, "
             "no grouped-query attention); mfsdp gives it HF's fast path only in a graph of its "
             f"own. Shard and compile {model} itself, and call it from your code, to capture its "
@@ -172,31 +176,38 @@ def _inline_here(model: str) -> bool:
     return True
 
 
+def _asked_one_graph() -> str | None:
+    """How the trace under way was asked to be one graph, where it was: torch.compile's
+    ``fullgraph=True`` (or Dynamo's ``error_on_graph_break``), under which a break raises."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    return "fullgraph=True" if tx.one_graph or getattr(tx, "error_on_graph_break", False) else None
+
+
 def _prelude(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(self).forward
-    bound, held = _decided(self, forward, args, kwargs)
-    inside = _IN_PRELUDE.set(True)
-    unpadded = not _INPUTS_UNREAD.get() and all(bound.arguments.get(name) is None for name in _MASKS)
-    model = _UNPADDED.set(built_class_name(self) if unpadded else "")
+    bound, held, tokens = _decided(self, forward, args, kwargs)
     try:
         return forward(*bound.args, **bound.kwargs)
     finally:
-        _UNPADDED.reset(model)
-        _IN_PRELUDE.reset(inside)
-        _put_back(held)
+        _put_back(held, tokens)
 
 
 # Dynamo compiles what the prelude calls (recursive=False): the model's forward, to be
-# compiled, and the prelude's own work, disabled.
+# compiled, and the prelude's own work, disabled. So the prelude's frame calls nothing else:
+# under fullgraph=True, Dynamo refuses any other frame it cannot compile (a generator
+# expression: "Attempt to trace generator").
 _PRELUDE = torch._dynamo.disable(_prelude, recursive=False)
 
 
 @torch._dynamo.disable
-def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple[inspect.BoundArguments, Any]:
+def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple[inspect.BoundArguments, dict, tuple]:
     """The call's arguments, an all-ones mask made None, an int ``num_items_in_batch`` a
     tensor, HF's output hooks installed where the call asks for outputs, and HF's
-    packed-sequence check answered where the position ids are unpacked; returns what
-    ``_put_back`` restores after the call."""
+    packed-sequence check answered where the position ids are unpacked; the prelude's
+    context set for the call. Returns the arguments and what ``_put_back`` restores after
+    the call."""
     bound = _signature(forward).bind_partial(model, *args, **kwargs)
     arguments = bound.arguments
     unread = _INPUTS_UNREAD.get()
@@ -234,7 +245,9 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
         if skip is not None and (answered := answering(skip)) is not None:
             setattr(masking, name, answered)
             held[name] = skip
-    return bound, held
+    unpadded = not unread and all(arguments.get(name) is None for name in _MASKS)
+    tokens = (_IN_PRELUDE.set(True), _UNPADDED.set(built_class_name(model) if unpadded else ""))
+    return bound, held, tokens
 
 
 def _count_as_tensor(bound: inspect.BoundArguments) -> None:
@@ -378,7 +391,9 @@ def _dynamo_config(name: str, value: Any) -> Any:
 
 
 @torch._dynamo.disable
-def _put_back(held: dict) -> None:
+def _put_back(held: dict, tokens: tuple) -> None:
+    for var, token in zip((_IN_PRELUDE, _UNPADDED), tokens):
+        var.reset(token)
     masking = _module("transformers.masking_utils")
     for name, value in held.items():
         setattr(masking if hasattr(masking, name) else torch._dynamo.config, name, value)

@@ -385,22 +385,52 @@ def test_a_peft_lora_model_trains_as_eagerly_on_the_fast_path():
 
 
 @pytest.mark.structure
-def test_a_step_that_must_be_one_graph_traces_a_wrapped_hf_model_inline_and_says_so():
-    """``cuda_graph=True``: a step captured whole cannot have a graph of the HF model's own,
-    so the HF model inside a module of the user's is traced inline, where HF masks what it
-    cannot read while traced (a given mask of ones), said once (naming the outermost HF
-    model) with the fix."""
+@pytest.mark.parametrize("asked", ["cuda_graph=True", "fullgraph=True"])
+def test_a_step_that_must_be_one_graph_traces_a_wrapped_hf_model_inline_and_says_so(asked):
+    """``cuda_graph=True`` (a step captured whole) or ``fullgraph=True`` (where a break
+    raises) cannot have a graph of the HF model's own, so the HF model inside a module of the
+    user's is traced inline, where HF masks what it cannot read while traced (a given mask of
+    ones), said once (naming the outermost HF model and how one graph was asked) with the
+    fix. Before, ``fullgraph=True`` raised Dynamo's "Skip inlining torch.compiler.disable()d
+    function" at the prelude."""
     tokens = torch.randint(0, VOCAB, (2, SEQ))
     with fake_process_group(8), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         model = fully_shard(_Wrapped(_build("llama")))
-        backend = MfsdpBackend(compiler="eager", cuda_graph=True)
+        backend = MfsdpBackend(compiler="eager", cuda_graph=asked == "cuda_graph=True")
         inputs = _inputs("llama", tokens, attention_mask=torch.ones_like(tokens))
-        torch.compile(model, backend=backend)(**inputs).loss.backward()
+        torch.compile(model, backend=backend, fullgraph=asked == "fullgraph=True")(**inputs).loss.backward()
     calls = _sdpa_calls(backend)
     assert len(backend.graphs) == 1 and calls and all(c["mask"] and not c["causal"] for c in calls), calls
     inline = [str(w.message) for w in said if "traced into the step's one graph" in str(w.message)]
-    assert len(inline) == 1 and "Shard and compile LlamaForCausalLM itself" in inline[0], inline
+    assert len(inline) == 1 and inline[0].startswith(asked) and "Shard and compile LlamaForCausalLM itself" in inline[0], inline
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_fullgraph_true_compiles_an_hf_model_as_one_graph_on_its_fast_path(family):
+    """``torch.compile(model, backend="mfsdp", fullgraph=True)`` on an HF model: before, the
+    prelude's generator expression, a frame Dynamo offered the backend, raised "Attempt to
+    trace generator". Now the step is one graph, each layer one block call, SDPA on HF's eager
+    fast path, and the loss and every gradient are eager's (one gloo rank)."""
+    torch.manual_seed(0)
+    eager = _build(family)
+    model = copy.deepcopy(eager)
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    expected = eager(**_inputs(family, tokens)).loss
+    expected.backward()
+    with one_rank_group():
+        fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        loss = torch.compile(model, backend=backend, fullgraph=True)(**_inputs(family, tokens)).loss
+        loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    assert len(backend.graphs) == 1 and _block_calls(backend) == 2, (len(backend.graphs), _block_calls(backend))
+    calls = _sdpa_calls(backend)
+    assert calls and all(not c["mask"] and c["causal"] and c["gqa"] for c in calls), calls
+    assert relative_error(loss.detach(), expected.detach()) < SUMMATION_ORDER_EPS
+    for name, p in eager.named_parameters():
+        assert relative_error(grads[name], p.grad) < SUMMATION_ORDER_EPS, name
 
 
 @pytest.mark.structure
