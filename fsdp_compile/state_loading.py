@@ -1,5 +1,5 @@
 """``load_state_dict`` into a sharded model: a load that would replace a sharded parameter
-writes its values into it instead.
+writes its values into it instead, and a full tensor copied in gives it this rank's rows.
 
 NOTE: loading with assign
     FSDP2's loaders replace parameters: ``model.load_state_dict(sharded_sd, assign=True)``
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp_compile.errors import UsageError
 from fsdp_compile.flat_params import converted_flat, hold_local
@@ -34,10 +35,11 @@ __all__ = ["load_into_shards", "materialise_loaded_flats"]
 def load_into_shards(
     self: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
 ) -> None:
-    """``nn.Module._load_from_state_dict`` of a module holding sharded parameters: the
-    module's own, then each sharded parameter the load replaced (``assign=True``) or swapped
-    (``torch.__future__.set_swap_module_params_on_conversion``) is put back, holding the
-    loaded values (see NOTE: loading with assign)."""
+    """``nn.Module._load_from_state_dict`` of a module holding sharded parameters: a full
+    tensor copied in becomes this rank's rows (NOTE: a full state dict copied in), then the
+    module's own load, then each sharded parameter the load replaced (``assign=True``) or
+    swapped (``torch.__future__.set_swap_module_params_on_conversion``) is put back, holding
+    the loaded values (see NOTE: loading with assign)."""
     held = []
     for name, param in self._parameters.items():
         if shard_info(param) is not None:
@@ -47,6 +49,11 @@ def load_into_shards(
                 shape=param.shape, stride=param.stride(),
             )
             held.append((name, param, dict(param.__dict__), before))
+    if not local_metadata.get("assign_to_params_buffers", False):  # NOTE: a full state dict copied in
+        for name, param, _, _ in held:
+            full = state_dict.get(prefix + name)
+            if isinstance(full, torch.Tensor) and not isinstance(full, DTensor) and full.shape == param.shape:
+                state_dict[prefix + name] = _rows_of(full, param)
     type(self)._mfsdp_base._load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     )
@@ -74,6 +81,28 @@ def load_into_shards(
                 "model, full_sd, options=StateDictOptions(full_state_dict=True))."
             )
         _write(param, values)
+
+
+# NOTE: a full state dict copied in
+#     ``model.load_state_dict(full_sd)`` (an unsharded model's checkpoint, ``torch.load``ed on
+#     every rank) copies each value into its parameter. A sharded parameter takes this rank's
+#     rows of it, as ``set_model_state_dict(..., StateDictOptions(full_state_dict=True))``
+#     takes them (``compute_local_shape_and_global_offset``), with no collective. FSDP2 fails
+#     there ("got mixed torch.Tensor and DTensor"). ``assign=True`` replaces parameters with
+#     what it is given, which a full tensor cannot be: refused below, with the loaders that
+#     place values.
+
+
+def _rows_of(full: torch.Tensor, param: DTensor) -> DTensor:
+    """``full`` as ``param`` places it, holding only this rank's part (NOTE: a full state dict
+    copied in)."""
+    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+    rows = full[tuple(slice(start, start + size) for size, start in zip(shape, offset))]
+    local = param._local_tensor
+    return DTensor.from_local(
+        rows if local.is_meta else rows.to(local.device), param.device_mesh, param.placements,
+        run_check=False, shape=param.shape, stride=param.stride(),
+    )
 
 
 def _placed_alike(loaded: object, before: DTensor) -> bool:

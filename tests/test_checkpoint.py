@@ -7,6 +7,7 @@ and loads them into any other sharding; the optimizer state is sharded the same 
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -68,6 +69,34 @@ def test_state_dict_holds_shards_with_global_shapes():
     for name, value in state.items():
         assert isinstance(value, DTensor), name
         assert value.shape == reference[name].shape, name
+
+
+@pytest.mark.structure
+def test_a_full_state_dict_loaded_with_load_state_dict_lands_this_rank_s_rows():
+    """``model.load_state_dict(full_sd)``, an unsharded model's checkpoint loaded as HF and
+    plain PyTorch code load one: each sharded parameter, a repeated block's flat members
+    included, takes this rank's rows (3 ranks: uneven), as ``distribute_tensor`` places them,
+    with no collective (NOTE: a full state dict copied in). Before, as under FSDP2: "got
+    mixed torch.Tensor and DTensor". ``assign=True`` still refuses full tensors. Every rank
+    of every layout: the matrix's ``full_state_dict`` cell. Rank 0 only here: in a process
+    that made a fake group of the same size before, torch 2.13's ``nn.Parameter(dtensor)``
+    holds that group's mesh, whose coordinate is rank 0's."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from harness import fake_process_group
+
+    cfg = TransformerConfig()
+    full = build_model(cfg, seed=1).state_dict()
+    with fake_process_group(3):
+        model = fully_shard(build_model(cfg, seed=0))
+        model.load_state_dict(full)
+        for name, param in model.named_parameters():
+            expected = distribute_tensor(full[name], param.device_mesh, param.placements, src_data_rank=None)
+            assert torch.equal(param.to_local(), expected.to_local()), name
+        flats = [flat for block in model.layers for flat in block._mfsdp_region_flats.values()]
+        assert flats and all(flat.abs().sum() > 0 for flat in flats)
+        with pytest.raises(ValueError, match="not a DTensor"):
+            model.load_state_dict(full, assign=True)
 
 
 def _save_then_load_other_shapes(rank, world, *, path):

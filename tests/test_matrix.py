@@ -288,17 +288,24 @@ def _initial_state(cfg: TransformerConfig, model: torch.nn.Module) -> dict:
 
 def _full_state_dict(ctx: RankContext) -> dict:
     """Full state dict out of a trained model equals its parameters; a full state dict in
-    (the reference's initial weights) lands every rank's rows."""
+    (the reference's initial weights) lands every rank's rows, through
+    ``set_model_state_dict`` and through a plain ``load_state_dict`` (NOTE: a full state dict
+    copied in)."""
     full = StateDictOptions(full_state_dict=True)
     model = _trained(ctx)
     saved = get_model_state_dict(model, options=full)
     params = full_parameters(model)
     out_error = max(relative_error(saved[n], p) for n, p in params.items())
-    loaded = ctx.shard(build_model(ctx.layout.cfg, seed=1))
-    set_model_state_dict(loaded, _initial_state(ctx.layout.cfg, loaded), options=full)
     initial = build_model(ctx.layout.cfg).state_dict()
-    in_error = max_param_error(full_parameters(loaded), {n: initial[n] for n, _ in loaded.named_parameters()})[0]
-    return {"out_error": out_error, "in_error": in_error, "tensors": all(not isinstance(v, DTensor) for v in saved.values())}
+    in_errors = []
+    for load in (lambda m, sd: set_model_state_dict(m, sd, options=full), lambda m, sd: m.load_state_dict(sd)):
+        loaded = ctx.shard(build_model(ctx.layout.cfg, seed=1))
+        load(loaded, _initial_state(ctx.layout.cfg, loaded))
+        in_errors.append(max_param_error(full_parameters(loaded), {n: initial[n] for n, _ in loaded.named_parameters()})[0])
+    return {
+        "out_error": out_error, "in_error": in_errors[0], "plain_in_error": in_errors[1],
+        "tensors": all(not isinstance(v, DTensor) for v in saved.values()),
+    }
 
 
 def _sharded_state_dict(ctx: RankContext) -> dict:
@@ -508,7 +515,7 @@ def _check(api: str, layout: Layout, r: dict) -> None:
     elif api == "accumulation":
         _check_accumulation(layout, r)
     elif api == "full_state_dict":
-        assert r["tensors"] and _close(r, "out_error", "in_error"), r
+        assert r["tensors"] and _close(r, "out_error", "in_error", "plain_in_error"), r
     elif api == "sharded_state_dict":
         assert r["dtensors"] and r["global_shapes"] and r["error"] == 0, r
     elif api == "dcp":
