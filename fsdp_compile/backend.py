@@ -34,8 +34,8 @@ from fsdp_compile.block_call import block_calls_keep_their_buffers
 from fsdp_compile.block_record import call_record
 from fsdp_compile.block_runtime import PendingGraphs
 from fsdp_compile.compat import compile_caches_work, missing_gradients_stay_missing
-from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.debug import GraphDumper, debug_dir, frame_dumper
+from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.passes.check_graph_breaks import graph_break
 from fsdp_compile.patterns import is_block_call, is_block_forward, is_block_probe
 from fsdp_compile.pipeline import Stage, build_pipeline

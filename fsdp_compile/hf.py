@@ -155,9 +155,8 @@ def _entry(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _inline_here(model: str) -> bool:
     """Whether an HF model's forward runs inline: inside another HF model's prelude, or in a
     step that must be one graph (traced for ``cuda_graph=True`` or with ``fullgraph=True``;
-    said once). Run by Dynamo as
-    it traces, a constant of the trace: a frame entered through a prelude always is, and
-    Dynamo guards a compiled frame on its backend."""
+    said once). Run by Dynamo as it traces, a constant of the trace: a frame entered through
+    a prelude always is, and Dynamo guards a compiled frame on its backend."""
     if _IN_PRELUDE.get():
         return True
     backend = compiling_backend()

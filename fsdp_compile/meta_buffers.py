@@ -48,12 +48,11 @@ def watch_meta_buffers(root: nn.Module) -> None:
 
 def _noting_apply(self: nn.Module, fn, recurse: bool = True):
     """The class's ``_apply``, then each unfilled buffer's new tensor and its version."""
-    unfilled = _unfilled_names(self)
+    unfilled = _unfilled_names(self)  # none once the notes are gone
     result = type(self)._apply(self, fn, recurse)
-    notes = self.__dict__.get("_mfsdp_unfilled")
-    for name in unfilled if notes is not None else ():
+    for name in unfilled:
         buffer = self._buffers.get(name)
-        notes[name] = None if buffer is None or buffer.is_meta else (buffer, buffer._version)
+        self._mfsdp_unfilled[name] = None if buffer is None or buffer.is_meta else (buffer, buffer._version)
     return result
 
 
