@@ -151,7 +151,7 @@ def test_an_hf_model_s_init_weights_after_to_empty_initialises_the_shards():
 def test_an_hf_model_loaded_after_init_weights_trains_as_unsharded():
     """HF's meta-device flow to the end: ``LlamaForCausalLM`` built on meta, sharded,
     ``to_empty``, ``init_weights()`` (HF's ``_init_weights`` also computes the rotary
-    ``inv_freq``, which no state dict holds), the trained weights loaded; the compiled steps
+    ``inv_freq``, which no state dict holds), the reference's weights loaded; the compiled steps
     then give the unsharded model's losses and weights. Without ``init_weights`` the first
     step is refused, naming the buffers and the fix: before, it trained on what to_empty's
     memory held (NOTE: non-persistent buffers after a meta init)."""
