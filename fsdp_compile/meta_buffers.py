@@ -5,7 +5,7 @@ NOTE: non-persistent buffers after a meta init
     ``position_ids``) is in no state dict, so loading the weights never fills it. Built on
     meta, it holds no values; ``to_empty`` gives it memory and no values either. A model whose
     owner does not compute it again trains on whatever that memory held (seen: 9.7e32 and
-    zeros for HF Llama's ``inv_freq`` on the CPU, positions lost), and under FSDP2 too. A
+    zeros for HF Llama's ``inv_freq`` on the CPU, positions lost), and so does FSDP2. A
     buffer ``set_model_state_dict`` leaves on meta fails inside the first forward, after
     collectives have started, naming neither the buffer nor the fix.
 
