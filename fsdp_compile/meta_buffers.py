@@ -19,7 +19,10 @@ NOTE: non-persistent buffers after a meta init
 
 from __future__ import annotations
 
+import copy
+import itertools
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -38,12 +41,31 @@ def watch_meta_buffers(root: nn.Module) -> None:
     """Note on ``root`` the modules under it that own a non-persistent buffer on meta, and
     make each note what ``_apply`` materialises it as (NOTE: non-persistent buffers after a
     meta init)."""
-    owners = tuple(m for m in root.modules() if _meta_buffers(m) or "_mfsdp_unfilled" in m.__dict__)
-    for owner in owners:
+    owners = {path: m for path, m in root.named_modules() if _meta_buffers(m) or "_mfsdp_unfilled" in m.__dict__}
+    for owner in owners.values():
         owner.__dict__.setdefault("_mfsdp_unfilled", dict.fromkeys(_meta_buffers(owner)))
         if "_apply" not in owner.__dict__:  # an instance attribute: the class stays the user's
             owner._apply = types.MethodType(_noting_apply, owner)
-    root._mfsdp_buffer_owners = owners
+    root._mfsdp_buffer_watch = _Watch(owners) if owners else None
+
+
+class _Watch:
+    """The modules a root's meta init must fill, by path, and the key traced code names them
+    by: Dynamo takes constants only into ``_unfilled``, and on torch 2.11 a module is none."""
+
+    def __init__(self, owners: dict[str, nn.Module]) -> None:
+        self.owners = owners
+        self.key = next(_WATCH_KEYS)
+        _WATCHES[self.key] = self
+
+    def __deepcopy__(self, memo: dict) -> _Watch:
+        # A copy of the model watches its own owners, under a key of its own.
+        return _Watch({path: copy.deepcopy(owner, memo) for path, owner in self.owners.items()})
+
+
+_WATCHES: weakref.WeakValueDictionary[int, _Watch] = weakref.WeakValueDictionary()
+"""Every live watch by its key, a name only: the root owns its watch."""
+_WATCH_KEYS = itertools.count()
 
 
 def _noting_apply(self: nn.Module, fn, recurse: bool = True):
@@ -68,16 +90,18 @@ def _unfilled_names(owner: nn.Module) -> list[str]:
 
 
 @torch._dynamo.assume_constant_result
-def _unfilled(root: nn.Module) -> tuple[tuple[str, bool], ...]:
-    """Each noted buffer under ``root`` that nothing filled, as (its path, whether still on
-    meta); the notes go once none is left. Run by Python, also while Dynamo traces a function
-    of the user's (its result a constant of the trace)."""
-    owners = [owner for owner in root._mfsdp_buffer_owners if "_mfsdp_unfilled" in owner.__dict__]
-    unfilled = [(owner, name) for owner in owners for name in _unfilled_names(owner)]
-    paths = {module: f"{path}." if path else "" for path, module in root.named_modules()} if unfilled else {}
-    found = tuple((paths[owner] + name, owner._buffers[name].is_meta) for owner, name in unfilled if owner in paths)
-    if not found:  # an owner no longer in the model counts for nothing
-        for owner in owners:
+def _unfilled(key: int) -> tuple[tuple[str, bool], ...]:
+    """Each noted buffer of the watch ``key`` names that nothing filled, as (its path,
+    whether still on meta); the notes go once none is left. Run by Python, also while Dynamo
+    traces (its result a constant of the trace)."""
+    watch = _WATCHES.get(key)
+    owners = {} if watch is None else {p: o for p, o in watch.owners.items() if "_mfsdp_unfilled" in o.__dict__}
+    found = tuple(
+        (f"{path}.{name}".lstrip("."), owner._buffers[name].is_meta)
+        for path, owner in owners.items() for name in _unfilled_names(owner)
+    )
+    if not found:
+        for owner in owners.values():
             del owner.__dict__["_mfsdp_unfilled"]
     return found
 
@@ -87,12 +111,13 @@ def refuse_unfilled_buffers(root: nn.Module) -> None:
     non-persistent buffers after a meta init); checked before the forward, on every rank.
     Parameters still on meta are ``refuse_meta_parameters``'s to judge (a step
     ``fsdp_compile.simulate`` traces on meta is no mistake)."""
-    if not root._mfsdp_buffer_owners:
+    watch = root._mfsdp_buffer_watch
+    if watch is None:
         return
     param = next(root.parameters(), None)
     if param is not None and param.is_meta:
         return
-    unfilled = _unfilled(root)
+    unfilled = _unfilled(watch.key)
     if not unfilled:
         return
     on_meta = [path for path, meta in unfilled if meta]
