@@ -101,7 +101,7 @@ class BackendOptions:
         from torch._inductor import list_mode_options
 
         settings = list_mode_options(self.mode) if self.mode is not None else {}
-        return {name: value for name, value in settings.items() if name != "triton.cudagraphs"}
+        return {name: value for name, value in settings.items() if name != _CUDA_GRAPHS}
 
     @property
     def bucket_cap_bytes(self) -> int | None:
@@ -125,6 +125,10 @@ def _check_schedule_options(options: dict) -> None:
             raise CompileUsageError(f"options[{name!r}] must be {expected}, got {options[name]!r}.")
 
 
+_CUDA_GRAPHS = "triton.cudagraphs"
+"""The one Inductor setting of a mode mfsdp leaves out (NOTE: torch.compile's mode)."""
+
+
 def _check_mode(mode: object, compiler: str) -> None:
     from torch._inductor import list_mode_options
 
@@ -136,8 +140,8 @@ def _check_mode(mode: object, compiler: str) -> None:
             f"mode={mode!r} sets how Inductor compiles, and options['compiler'] is 'eager', which "
             "compiles nothing with Inductor: drop one of them."
         )
-    if modes[mode].get("triton.cudagraphs"):
-        applied = [name for name in modes[mode] if name != "triton.cudagraphs"]
+    if modes[mode].get(_CUDA_GRAPHS):
+        applied = [name for name in modes[mode] if name != _CUDA_GRAPHS]
         warnings.warn(
             f"mode={mode!r}: mfsdp applies its Inductor settings ({', '.join(applied) or 'none'}) "
             "but not its CUDA graphs, which would be one per graph, split at the collectives; "
