@@ -60,6 +60,12 @@ NOTE: HF's value-dependent decisions, made before the trace
     (``skip_fwd_side_effects_in_bwd_under_checkpoint``, set for the call): eager's recompute
     adds nothing to the collector either, which is gone by then. A hook of the user's inside
     such a layer then runs once per step, not again in the recompute.
+
+    So with HF's ``kernels`` package (a dependency of transformers from 5.25): HF's attention
+    layers then run through its ``use_kernelized_func`` wrapper, which sets a global of its
+    own for the layer's call and puts it back, a store Dynamo refuses inside each checkpoint
+    region. Set and reset net to nothing and the kernel they select is traced into the
+    region, so a recompute skipping them runs what eager's does: the setting is made too.
 """
 
 from __future__ import annotations
@@ -226,11 +232,13 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
     if checkpointed and model.training and torch.is_grad_enabled():
         _drop_cache_as_hf_does(model, bound)
     hf_models = [m for m in model.modules() if is_hf_model(m)]
-    if install_output_hooks(hf_models, _named(bound)) and checkpointed and hasattr(torch._dynamo.config, _SKIP_REPLAY):
-        # HF's output hooks append to its collector, outside the checkpoint region of each
-        # layer, which Dynamo refuses (a graph break per layer) unless the recompute in the
-        # backward skips that side effect; eager's recompute appends nothing either (the
-        # collector is gone by then).
+    hooked = install_output_hooks(hf_models, _named(bound))
+    # The routing wrapper of HF's kernels package leaves ``_kernel_funcs`` on each instance.
+    routed = checkpointed and any("_kernel_funcs" in vars(m) for m in model.modules())
+    if checkpointed and (hooked or routed) and hasattr(torch._dynamo.config, _SKIP_REPLAY):
+        # HF's output hooks and kernels' wrapper write outside each layer's checkpoint region,
+        # which Dynamo refuses (a graph break per layer) unless the backward's recompute skips
+        # those side effects, which leave nothing behind in eager (NOTE above).
         held[_SKIP_REPLAY] = _dynamo_config(_SKIP_REPLAY, True)
     masking = _module("transformers.masking_utils")
     original = getattr(masking, "find_packed_sequence_indices", None)
