@@ -558,6 +558,37 @@ def test_checkpointing_every_other_layer_compiles_two_bodies_and_matches_eager()
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("regional", [False, True], ids=["inline", "regional"])
+def test_kernels_routing_inside_checkpointed_layers_keeps_one_graph_and_eager_arithmetic(regional):
+    """With HF's ``kernels`` package installed (a dependency of transformers from 5.25), HF's
+    attention layers run through its routing wrapper, which sets a global of kernels' for the
+    layer's call and puts it back. Inside HF's gradient-checkpoint region Dynamo refused that
+    store: traced inline (``regional=False``) the step broke at every layer, which then ran
+    eagerly. The recompute now skips what nets to nothing: one graph, and eager's loss and
+    gradients bit for bit (one gloo rank)."""
+    from torch._dynamo.utils import counters
+
+    reference = _build("llama")
+    assert any("_kernel_funcs" in vars(m) for m in reference.modules()), "kernels' wrapper is not on HF's layers"
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    expected = reference(**_inputs("llama", tokens), use_cache=False).loss
+    expected.backward()
+    breaks = sum(counters["graph_break"].values())
+    with one_rank_group():
+        model = fully_shard(model)
+        backend = MfsdpBackend(compiler="eager", regional=regional)
+        loss = torch.compile(model, backend=backend)(**_inputs("llama", tokens), use_cache=False).loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert len(backend.graphs) == 1
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(grads[n], p.grad) for n, p in reference.named_parameters())
+
+
+@pytest.mark.structure
 def test_input_require_grads_on_frozen_embeddings_is_said_with_the_fix():
     """HF's ``activation_checkpointing_enable()`` (and PEFT) hook the input embeddings with
     ``requires_grad_()``; on a frozen table (an adapter fine-tune) Dynamo breaks the step's
