@@ -449,6 +449,48 @@ def test_a_padded_batch_keeps_hf_mask():
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize(
+    "regional, use_cache", [(False, False), (True, False), (True, True)], ids=["inline", "regional", "regional-cache"]
+)
+def test_each_call_gets_the_mask_its_padding_and_packing_need(regional, use_cache):
+    """HF decides on values whether a call needs a mask: padding (zeros in
+    ``attention_mask``) and sequences packed into one row (position ids that restart, no mask:
+    HF's ``DataCollatorWithFlattening``). The prelude tells HF "no padding" and "not packed"
+    only for a call whose values say so, so batches with and without either, in turn through
+    one compiled model, each get eager's mask or its mask-free causal path (one gloo rank):
+    loss and gradients equal eager's bit for bit. With a cache (HF's default
+    ``use_cache=True``) HF checks no packing, in eager too."""
+    reference = _build("llama", use_cache=use_cache)
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    ones = torch.ones_like(tokens)
+    padded = ones.clone()
+    padded[0, :5] = 0
+    packed = torch.cat([torch.arange(6), torch.arange(SEQ - 6)]).expand(2, SEQ)
+    calls = [
+        {"attention_mask": ones}, {"attention_mask": padded}, {}, {"position_ids": packed},
+        {"position_ids": torch.arange(SEQ).expand(2, SEQ)}, {"position_ids": packed}, {"attention_mask": padded.flip(0)},
+    ]
+    with one_rank_group():
+        model = fully_shard(model)
+        backend = MfsdpBackend(compiler="eager", regional=regional)
+        forward = torch.compile(model, backend=backend)
+        for extra in calls:
+            expected = reference(**_inputs("llama", tokens, **extra))
+            expected.loss.backward()
+            loss = forward(**_inputs("llama", tokens, **extra)).loss
+            loss.backward()
+            assert torch.equal(loss, expected.loss), extra
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            assert all(torch.equal(grads[n], p.grad) for n, p in reference.named_parameters()), extra
+            reference.zero_grad()
+            model.zero_grad()
+    sdpa = _sdpa_calls(backend)
+    assert any(c["mask"] and not c["causal"] for c in sdpa), sdpa
+    assert any(not c["mask"] and c["causal"] and c["gqa"] for c in sdpa), sdpa
+
+
+@pytest.mark.structure
 def test_a_mask_the_model_makes_itself_is_said_once_and_keeps_eager_results():
     """HF's BioGPT makes an all-ones mask when given none; traced, HF cannot read its values,
     so its SDPA calls get a mask where eager's get none. Not silent: said once, naming the
