@@ -61,11 +61,11 @@ NOTE: HF's value-dependent decisions, made before the trace
     adds nothing to the collector either, which is gone by then. A hook of the user's inside
     such a layer then runs once per step, not again in the recompute.
 
-    So with HF's ``kernels`` package (a dependency of transformers from 5.25): HF's attention
-    layers then run through its ``use_kernelized_func`` wrapper, which sets a global of its
-    own for the layer's call and puts it back, a store Dynamo refuses inside each checkpoint
-    region. Set and reset net to nothing and the kernel they select is traced into the
-    region, so a recompute skipping them runs what eager's does: the setting is made too.
+    HF's ``kernels`` package (a dependency of transformers from 5.25) gets the same setting:
+    it runs HF's attention layers through its ``use_kernelized_func`` wrapper, which sets a
+    global of its own for the layer's call and puts it back, a store Dynamo refuses inside
+    each checkpoint region. Set and reset net to nothing and the kernel they select is traced
+    into the region, so a recompute that skips them runs what eager's does.
 """
 
 from __future__ import annotations
