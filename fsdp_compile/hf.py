@@ -65,7 +65,9 @@ NOTE: HF's value-dependent decisions, made before the trace
     it runs HF's attention layers through its ``use_kernelized_func`` wrapper, which sets a
     global of its own for the layer's call and puts it back, a store Dynamo refuses inside
     each checkpoint region. Set and reset net to nothing and the kernel they select is traced
-    into the region, so a recompute that skips them runs what eager's does.
+    into the region, so a recompute that skips them runs what eager's does. So does KV sharing
+    (Gemma 3n and 4): a layer's keys and values, stored in HF's ``KVSharingDict`` for later
+    layers, are stored again by eager's recompute, equal, after the layers reading them ran.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ import torch
 from torch import nn
 
 from fsdp_compile.backend import compiling_backend
-from fsdp_compile.hf_hooks import install_output_hooks, say_input_require_grads
+from fsdp_compile.hf_hooks import install_output_hooks, say_input_require_grads, writes_outside_its_call
 from fsdp_compile.records import built_class_name
 
 __all__ = ["is_hf_model", "install_prelude", "inputs_unread"]
@@ -233,12 +235,11 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
         _drop_cache_as_hf_does(model, bound)
     hf_models = [m for m in model.modules() if is_hf_model(m)]
     hooked = install_output_hooks(hf_models, _named(bound))
-    # The routing wrapper of HF's kernels package leaves ``_kernel_funcs`` on each instance.
-    routed = checkpointed and any("_kernel_funcs" in vars(m) for m in model.modules())
-    if checkpointed and (hooked or routed) and hasattr(torch._dynamo.config, _SKIP_REPLAY):
-        # HF's output hooks and kernels' wrapper write outside each layer's checkpoint region,
-        # which Dynamo refuses (a graph break per layer) unless the backward's recompute skips
-        # those side effects, which leave nothing behind in eager (NOTE above).
+    writing = checkpointed and any(writes_outside_its_call(m) for m in model.modules())
+    if checkpointed and (hooked or writing) and hasattr(torch._dynamo.config, _SKIP_REPLAY):
+        # HF's output hooks, kernels' wrapper and KV sharing write outside each layer's
+        # checkpoint region, which Dynamo refuses (a graph break per layer) unless the
+        # backward's recompute skips those writes, which change nothing in eager (NOTE above).
         held[_SKIP_REPLAY] = _dynamo_config(_SKIP_REPLAY, True)
     masking = _module("transformers.masking_utils")
     original = getattr(masking, "find_packed_sequence_indices", None)

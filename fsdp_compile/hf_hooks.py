@@ -16,9 +16,19 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["install_output_hooks", "say_input_require_grads"]
+__all__ = ["install_output_hooks", "say_input_require_grads", "writes_outside_its_call"]
 
 _REQUIRE_GRADS_HOOK = "enable_input_require_grads.<locals>.make_inputs_require_grads"
+
+
+def writes_outside_its_call(module: nn.Module) -> bool:
+    """Whether ``module``'s call writes to state outside it that a checkpoint's recompute
+    would write again to no effect (NOTE: HF's value-dependent decisions, in hf.py): HF's
+    ``kernels`` routing wrapper, which leaves ``_kernel_funcs`` on the instance it wraps, or
+    an attention layer storing its keys and values in HF's ``KVSharingDict`` for the later
+    layers that reuse them (``store_full_length_kv``: Gemma 3n and 4)."""
+    attributes = vars(module)
+    return "_kernel_funcs" in attributes or attributes.get("store_full_length_kv") is True
 
 
 def say_input_require_grads(model: nn.Module) -> None:

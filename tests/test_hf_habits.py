@@ -51,6 +51,12 @@ def _config(family: str, **overrides):
         ),
         "mistral_sliding": lambda: transformers.MistralConfig(**common, **llama_like, sliding_window=SEQ // 2),
         "gemma3": lambda: transformers.Gemma3TextConfig(**common, **llama_like, head_dim=8, sliding_window=SEQ // 2),
+        # Its last 2 of 4 layers reuse the keys and values the first 2 store (KV sharing).
+        "gemma4": lambda: transformers.Gemma4TextConfig(
+            **common, **{**llama_like, "num_hidden_layers": 4}, head_dim=8, sliding_window=SEQ // 2,
+            layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+            vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+        ),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
             **common, **{**llama_like, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4,
             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
@@ -600,28 +606,33 @@ def test_checkpointing_every_other_layer_compiles_two_bodies_and_matches_eager()
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("family", ["llama", "gemma4"], ids=["kernels_routing", "kv_sharing"])
 @pytest.mark.parametrize("regional", [False, True], ids=["inline", "regional"])
-def test_kernels_routing_inside_checkpointed_layers_keeps_one_graph_and_eager_arithmetic(regional):
-    """With HF's ``kernels`` package installed (a dependency of transformers from 5.25), HF's
-    attention layers run through its routing wrapper, which sets a global of kernels' for the
-    layer's call and puts it back. Inside HF's gradient-checkpoint region Dynamo refused that
-    store: traced inline (``regional=False``) the step broke at every layer, which then ran
-    eagerly. The recompute now skips what nets to nothing: one graph, and eager's loss and
-    gradients bit for bit (one gloo rank)."""
+def test_layers_writing_outside_their_checkpoint_region_keep_one_graph_and_eager_arithmetic(regional, family):
+    """Under HF's gradient checkpointing, writes a layer makes outside its call, which eager's
+    recompute makes again to no effect: the routing wrapper of HF's ``kernels`` package (a
+    dependency of transformers from 5.25) sets a global of kernels' for each attention call
+    and puts it back; Gemma 4's layers store their keys and values in HF's ``KVSharingDict``
+    for the later layers that reuse them. Inside HF's checkpoint region Dynamo refused those
+    stores: the step broke at every layer, which then ran eagerly. The recompute now skips
+    them: one graph, and eager's loss and gradients bit for bit (one gloo rank)."""
     from torch._dynamo.utils import counters
 
-    reference = _build("llama")
-    assert any("_kernel_funcs" in vars(m) for m in reference.modules()), "kernels' wrapper is not on HF's layers"
+    reference = _build(family)
+    if family == "llama":
+        assert any("_kernel_funcs" in vars(m) for m in reference.modules()), "kernels' wrapper is not on HF's layers"
+    else:
+        assert reference.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
     reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = copy.deepcopy(reference)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    expected = reference(**_inputs("llama", tokens), use_cache=False).loss
+    expected = reference(**_inputs(family, tokens), use_cache=False).loss
     expected.backward()
     breaks = sum(counters["graph_break"].values())
     with one_rank_group():
         model = fully_shard(model)
         backend = MfsdpBackend(compiler="eager", regional=regional)
-        loss = torch.compile(model, backend=backend)(**_inputs("llama", tokens), use_cache=False).loss
+        loss = torch.compile(model, backend=backend)(**_inputs(family, tokens), use_cache=False).loss
         loss.backward()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
