@@ -1,6 +1,7 @@
 """HF's own hooks, as the prelude meets them (NOTE: HF's value-dependent decisions, in
-fsdp_compile/hf.py): the output-capturing hooks HF installs lazily inside a forward, and the
-``requires_grad_()`` hook HF's checkpointing puts on the input embeddings.
+fsdp_compile/hf.py): the output-capturing hooks HF installs lazily inside a forward, the
+``requires_grad_()`` hook HF's checkpointing puts on the input embeddings, and the other
+writes a layer makes outside its call, which a checkpoint's recompute may skip.
 
 As fsdp_compile/hf.py, nothing here imports transformers: it is looked for among the modules
 already imported.
