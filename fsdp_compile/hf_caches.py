@@ -47,9 +47,19 @@ def cache_empty_at(cache: Any, layers: tuple[int, ...]) -> bool:
     if type(cache) is caches.EncoderDecoderCache:
         parts = (cache.self_attention_cache, cache.cross_attention_cache)
         return all(type(part) is caches.DynamicCache for part in parts) and all(
-            cache.get_seq_length(layer) == 0 and not cache.is_updated.get(layer) for layer in layers
+            _holds_nothing(cache.self_attention_cache, layer) and not cache.is_updated.get(layer) for layer in layers
         )
-    return type(cache) is caches.DynamicCache and all(cache.get_seq_length(layer) == 0 for layer in layers)
+    return type(cache) is caches.DynamicCache and all(_holds_nothing(cache, layer) for layer in layers)
+
+
+def _holds_nothing(cache: Any, layer: int) -> bool:
+    """Whether a ``DynamicCache`` holds no states for ``layer``: none yet, or a layer that keeps
+    none, HF's ``DummyLayer`` (Gemma 4's layers reusing earlier layers' keys and values), whose
+    ``get_seq_length`` HF's cache calls but which has none."""
+    entries = getattr(cache, "layers", ())
+    if layer < len(entries) and isinstance(entries[layer], getattr(_cache_utils(), "DummyLayer", ())):
+        return True
+    return cache.get_seq_length(layer) == 0
 
 
 def stand_in_spec(cache: Any, layer: int) -> tuple:

@@ -284,14 +284,15 @@ def test_sdpa_takes_hf_eager_fast_path(family, use_cache, checkpointing):
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("family", ["mistral_sliding", "gemma3", "deepseek_v3", "bert"])
+@pytest.mark.parametrize("family", ["mistral_sliding", "gemma3", "gemma4", "deepseek_v3", "bert"])
 def test_sdpa_calls_compiled_are_the_eager_ones(family):
-    """Where eager HF needs a mask, the compiled step keeps it; where it needs none, none:
-    a sliding window shorter than the sequence (Mistral; Gemma 3's alternating sliding and
-    global layers) is masked in eager and compiled alike, DeepSeek-V3's latent attention is
-    causal without a mask, and BERT's bidirectional attention stays non-causal. Each SDPA
-    call's mask, causal and grouped-query flags and key-value heads (a body traces once the
-    call its layers make each)."""
+    """Where eager HF needs a mask, the compiled step keeps it; where it needs none, none: a
+    sliding window shorter than the sequence (Mistral; Gemma 3's alternating sliding and
+    global layers; Gemma 4's too, whose later layers reuse earlier ones' keys and values, so
+    its layers are traced inline) is masked in eager and compiled alike, DeepSeek-V3's
+    latent attention is causal without a mask, and BERT's bidirectional attention stays
+    non-causal. Each SDPA call's mask, causal and grouped-query flags and key-value heads (a
+    body traces once the call its layers make each)."""
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     eager = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -832,6 +833,33 @@ def test_a_cache_of_another_class_is_traced_inline_and_said_so():
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     for name, p in reference.named_parameters():
         assert torch.equal(grads[name], p.grad), name
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("regional", [False, True], ids=["inline", "regional"])
+def test_gemma4_s_default_call_with_kv_sharing_keeps_one_graph_and_eager_arithmetic(regional):
+    """HF's default call of Gemma 4 (``use_cache=True``) whose last layers reuse earlier
+    layers' keys and values: HF's cache holds a ``DummyLayer`` for each reusing layer, whose
+    ``get_seq_length`` HF's cache calls but which has none, so asking whether the cache was
+    empty at such a layer raised an AttributeError, after graph breaks. Now one graph, and
+    eager's loss, gradients and cache length bit for bit (one gloo rank)."""
+    reference = _build("gemma4")
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    expected = reference(**_inputs("gemma4", tokens))
+    expected.loss.backward()
+    with one_rank_group():
+        model = fully_shard(model)
+        backend = MfsdpBackend(compiler="eager", regional=regional)
+        out = torch.compile(model, backend=backend)(**_inputs("gemma4", tokens))
+        out.loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    # Below torch 2.13 Dynamo skips copy.copy, which HF's per-layer config code calls as the
+    # cache is made: a break there, upstream's.
+    assert reference.config.use_cache and (len(backend.graphs) == 1 or not _DYNAMO_TRACES_DEEPCOPY)
+    assert torch.equal(out.loss, expected.loss)
+    assert out.past_key_values.get_seq_length() == expected.past_key_values.get_seq_length() == SEQ
+    assert all(torch.equal(grads[n], p.grad) for n, p in reference.named_parameters())
 
 
 # ---- multirank: parity with the unsharded model --------------------------------------------------
