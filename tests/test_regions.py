@@ -249,7 +249,7 @@ def _perturb(model: nn.Module, how: str) -> None:
         assert how == "none"
 
 
-def _one_step_against_reference(rank, world, *, how):
+def _one_step_against_reference(how):
     """Loss and gradients of the compiled sharded step against the unsharded model, with
     layer 2 changed in one way; and how many calls each body got."""
     reference = build_model(CFG)
@@ -275,7 +275,7 @@ def _one_step_against_reference(rank, world, *, how):
     }
 
 
-@pytest.mark.multirank
+@pytest.mark.structure
 @pytest.mark.parametrize(
     "how", ["none", "int-attribute", "float-attribute", "submodule-class", "forward-hook", "missing-bias", "weight-shape"]
 )
@@ -284,7 +284,8 @@ def test_a_layer_that_differs_gets_its_own_body(how):
     body's result, so running layer 0's compiled body for layer 2 would show in the loss (the
     class and hook cases are what Dynamo's guards miss: NOTE: structure before guards); the
     hook makes layer 2's body record for it, another structure."""
-    (result,) = spawn(_one_step_against_reference, 1, how=how)
+    with one_rank_group():
+        result = _one_step_against_reference(how)
     assert result["loss"] < 1e-6 and result["grads"] < 1e-5, result
     assert result["params"]
     if how == "none":
@@ -411,7 +412,7 @@ class _SelfDistilled(nn.Module):
         return ((h - target.flip(0)) ** 2).sum()
 
 
-def _self_distilled_gradients(rank, world, *, regional):
+def _self_distilled_gradients(regional):
     """Each parameter's gradient against the unsharded model's (relative error)."""
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
@@ -424,14 +425,15 @@ def _self_distilled_gradients(rank, world, *, regional):
     return {name: relative_error(p.grad.full_tensor(), expected[name].grad) for name, p in model.named_parameters()}
 
 
-@pytest.mark.multirank
+@pytest.mark.structure
 @pytest.mark.parametrize("regional", [True, False])
 def test_a_gather_under_no_grad_is_not_reused_where_grad_flows(regional):
     """Each parameter is read twice, first under ``no_grad``: the read with grad enabled must
     get a gather of its own. Given the first (what one gather per parameter did), the loss
     did not require grad and no parameter got a gradient. One gloo rank: its gathers and
     reductions are real, so gradients compare with the unsharded model's."""
-    (errors,) = spawn(_self_distilled_gradients, 1, regional=regional)
+    with one_rank_group():
+        errors = _self_distilled_gradients(regional)
     assert max(errors.values()) < 1e-5, errors
 
 
@@ -463,7 +465,7 @@ def _dropout_steps(model, step, x) -> tuple[list, float]:
     return steps, torch.rand(1).item()
 
 
-def _checkpointed_dropout_errors(rank, world, *, compiler):
+def _checkpointed_dropout_errors(compiler):
     """The compiled regional step with checkpointed blocks against an expected run: the
     unsharded model run eagerly with the eager runner; under Inductor, whose random numbers
     are its own, the same compiled step with the blocks not checkpointed."""
@@ -487,7 +489,7 @@ def _checkpointed_dropout_errors(rank, world, *, compiler):
     return errors, got_next == expected_next
 
 
-@pytest.mark.multirank
+@pytest.mark.structure
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_a_checkpointed_block_that_drops_out_recomputes_its_forwards_masks(compiler):
     """A block called through ``torch.utils.checkpoint`` is recomputed in the backward, and
@@ -495,7 +497,8 @@ def test_a_checkpointed_block_that_drops_out_recomputes_its_forwards_masks(compi
     dropout drew other masks than the forward's (gradients off by 100%, the loss unchanged).
     The recompute replays the forward's random state and puts the generators back: both steps'
     gradients and the generator's next draw are as expected. One gloo rank."""
-    ((errors, same_generator),) = spawn(_checkpointed_dropout_errors, 1, compiler=compiler)
+    with one_rank_group():
+        errors, same_generator = _checkpointed_dropout_errors(compiler)
     assert max(errors) < 1e-6 and same_generator, (errors, same_generator)
 
 
@@ -519,7 +522,7 @@ class _ReadsAroundItsBlocks(nn.Module):
         return (h**2).sum()
 
 
-def _inductor_gradient_errors(rank, world):
+def _inductor_gradient_errors():
     """Each parameter's gradient under Inductor against the unsharded model's, per model."""
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     errors = {}
@@ -535,14 +538,15 @@ def _inductor_gradient_errors(rank, world):
     return errors
 
 
-@pytest.mark.multirank
+@pytest.mark.structure
 def test_inductor_never_reuses_a_buffer_the_body_keeps_for_its_backward():
     """The step's Inductor graph sees a block call as one extern op and reused its output's
     buffer once it had read it (in place, ``buf8 = buf5; del buf5  # reuse``), while the
     body's autograd graph still held it: gradients off by 166% and 25,000%, the loss right.
     Checkpointed blocks are called again in the backward's graph, which Inductor compiles at
     the first backward. One gloo rank, gradients against the unsharded model."""
-    ((errors),) = spawn(_inductor_gradient_errors, 1)
+    with one_rank_group():
+        errors = _inductor_gradient_errors()
     assert max(errors.values()) < 1e-5, errors
 
 
@@ -628,7 +632,7 @@ class _ReturnsAliases(nn.Module):
         return (h**2).sum()
 
 
-def _aliasing_gradient_errors(rank, world, *, compiler):
+def _aliasing_gradient_errors(compiler):
     """Per block kind, the worst error of the loss, every parameter's gradient and the
     input's against the unsharded model."""
     errors = {}
@@ -651,7 +655,7 @@ def _aliasing_gradient_errors(rank, world, *, compiler):
     return errors
 
 
-@pytest.mark.multirank
+@pytest.mark.structure
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_a_block_call_never_returns_an_alias_of_its_arguments_or_results(compiler):
     """An op's results may not alias its arguments or each other (torch checks it at every
@@ -661,7 +665,8 @@ def test_a_block_call_never_returns_an_alias_of_its_arguments_or_results(compile
     failed its backward with the error about ``block_backward``. Such a result is now copied,
     as is a gradient laid out otherwise than the fake promised (``transposes``: Inductor's
     layout check failed). One gloo rank, against the unsharded model."""
-    ((errors),) = spawn(_aliasing_gradient_errors, 1, compiler=compiler)
+    with one_rank_group():
+        errors = _aliasing_gradient_errors(compiler)
     assert max(errors.values()) < 1e-5, errors
 
 
@@ -714,7 +719,7 @@ class _TwoLosses(nn.Module):
         return h
 
 
-def _retained_graph_errors(rank, world):
+def _retained_graph_errors():
     """Two backwards through one forward, the first with ``retain_graph=True``: the worst
     gradient error against the unsharded model, and the bodies' graphs still waiting after."""
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
@@ -732,12 +737,13 @@ def _retained_graph_errors(rank, world):
     return error, len(backend.pending)
 
 
-@pytest.mark.multirank
+@pytest.mark.structure
 def test_a_step_differentiated_twice_with_retain_graph_matches_eager():
     """``backward(retain_graph=True)`` keeps the step's graph for a second backward; the
     first took the bodies' graphs with it (a bare ``KeyError`` in ``block_backward``). They
     now stay while the backward retains, and go with the last one. One gloo rank."""
-    ((error, pending),) = spawn(_retained_graph_errors, 1)
+    with one_rank_group():
+        error, pending = _retained_graph_errors()
     assert error < 1e-6 and pending == 0, (error, pending)
 
 
@@ -786,7 +792,6 @@ def _hf_errors(rank, world, *, family, checkpointed, device):
     for three AdamW steps: the worst relative loss and gradient errors. Inductor draws
     eager's masks (``fallback_random``), so the two runs see the same dropout."""
     import transformers
-    torch._inductor.config.fallback_random = True
 
     def build():
         torch.manual_seed(0)
@@ -821,7 +826,8 @@ def _hf_errors(rank, world, *, family, checkpointed, device):
     reference = build()
     expected = steps(reference, reference)
     model = fully_shard(build())
-    got = steps(model, torch.compile(model, backend=MfsdpBackend(compiler="inductor")))
+    with torch._inductor.config.patch(fallback_random=True):  # this compile's only: the process runs other tests
+        got = steps(model, torch.compile(model, backend=MfsdpBackend(compiler="inductor")))
     grad_errors = [max(relative_error(g[1][n], e[1][n]) for n in e[1]) for g, e in zip(got, expected)]
     return {
         "loss": max(relative_error(g[0], e[0]) for g, e in zip(got, expected)),
@@ -837,13 +843,14 @@ def _assert_dropout_parity(errors: dict) -> None:
     assert errors["loss"] < 1e-5 and errors["first_grad"] < 1e-5 and errors["grad"] < 2e-2, errors
 
 
-@pytest.mark.multirank
+@pytest.mark.structure
 @pytest.mark.parametrize("family, checkpointed", _DROPOUT_CASES)
 def test_hf_models_with_dropout_match_the_unsharded_model_on_cpu(family, checkpointed):
     """The GPU test below on the CPU, one gloo rank, Inductor's C++ code: the bodies' dropout
     (saved and replayed RNG state, ``save_block_rng``) against eager's masks. On this machine:
     losses 2.9e-6, first gradients 8.6e-7, gradients 6.3e-3 at worst (Llama, the third step)."""
-    ((errors),) = spawn(_hf_errors, 1, family=family, checkpointed=checkpointed, device="cpu")
+    with one_rank_group():
+        errors = _hf_errors(0, 1, family=family, checkpointed=checkpointed, device="cpu")
     _assert_dropout_parity(errors)
 
 
