@@ -87,8 +87,9 @@ class BenchConfig:
     seed: int = 0
     compile_cache: str = ""
     """Compile each mode with Inductor's and AOTAutograd's caches on, in a folder of its own
-    inside this one: run the bench twice over one folder and the second run's warm-up is a
-    restart's (empty: every mode compiles cold, in a fresh folder, the caches off)."""
+    inside this one (the process's warm-up too): run the bench twice over one folder and the
+    second run's warm-up is a restart's (empty: every mode compiles cold, in a fresh folder,
+    the caches off)."""
     memory_sites: int = 0
     """CUDA: record the allocator's history with Python stacks (slower steps) and print, per
     mode, this many allocation sites holding the most memory after the last timed step and

@@ -42,7 +42,10 @@ NOTE: each mode compiles cold
     What a process pays once, at its first compile, whichever mode it is for (Inductor's
     compile workers, probing the C++ compiler, importing the code generators: about 12 s on
     a 2-core CPU), is paid before the first mode (``warm_up_process``), so that no mode's
-    warm-up carries it: each measures its own compile, in any order.
+    warm-up carries it: each measures its own compile, in any order. It compiles in a folder
+    of its own too, ``DIR/process-warm-up`` with ``--compile-cache DIR``: a restart finds the
+    compiler's probes there (9 of those 12 s), as a restarted job finds them in its cache
+    folder.
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ def warm_up_process(run: RunConfig, device: torch.device) -> float:
     """Compile and differentiate a small function with the modes' compiler (NOTE: each mode
     compiles cold), in a folder of its own, before any mode; its seconds."""
     start = time.perf_counter()
-    with compile_caches("process warm-up", ""):
+    with compile_caches("process-warm-up", run.compile_cache):
         x = torch.randn(16, 16, device=device, requires_grad=True)
         compiled = torch.compile(
             lambda t: (t @ t).softmax(-1).sum(), backend="inductor" if run.compiler == "inductor" else "aot_eager"
