@@ -311,6 +311,9 @@ class MfsdpBackend:
         self.pending = PendingGraphs()
         """The autograd graphs of the block calls whose backward has not run yet."""
         self._serial = next(_BACKEND_SERIALS)
+        self.body_names: dict[tuple, str] = {}
+        """The name of each body this backend compiles, by its blocks' ``region_body.structure``
+        (NOTE: structure before guards, in region_body.py): ``_region_0``, ``_region_1``..."""
         self._frames: dict[str, Callable] = {}
         self.unfakeable: set[str] = set()
         """The bodies (by name) whose block's Python could not run on fake tensors (a

@@ -106,7 +106,7 @@ def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copi
     # Static shapes give the same answer in every fake mode (Dynamo's, then AOTAutograd's):
     # one run serves both. Symbolic ones belong to their mode's shape environment.
     symbolic = any(isinstance(s, torch.SymInt) for t in (*weights, *tensors) for s in (*t.shape, *t.stride()))
-    key = (call.name, call.layout, call.recipe, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
+    key = (call.name, call.layout, call.recipe.key, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
            tuple(map(str, map(tensor_metadata, weights))), tuple(map(str, map(tensor_metadata, tensors))),
            tuple(_differentiable(call, tensors)), copied_out)
     outputs = _fake_runs(call)
@@ -243,7 +243,7 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
     try:
         with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), forward:
             output = call.body(
-                call.block(), call.layout, call.recipe, side, *leaves[:count], *call.leaves(leaves[count:], stand_ins)
+                call.block(), call.layout, call.recipe.key, side, *leaves[:count], *call.leaves(leaves[count:], stand_ins)
             )
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         # See NOTE: a block fake tensors cannot run.

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from fsdp_compile.errors import CompileUsageError
 
-__all__ = ["BlockCall", "FlatCopy", "register_call", "call_record"]
+__all__ = ["BlockCall", "FlatCopy", "Recipe", "register_call", "call_record"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,16 @@ class FlatCopy:
 
 
 @dataclass(frozen=True, eq=False)
+class Recipe:
+    """How a block's gathered weights become its parameters (``region_tables._recipe_key``
+    says what ``value`` holds), under the key a body's frame reads it by. Owned by the blocks
+    that gather with it and the calls traced with it; ``region_tables.RECIPES`` only names it."""
+
+    key: str
+    value: tuple
+
+
+@dataclass(frozen=True, eq=False)
 class BlockCall:
     """One layer's call of its block, as the step's graph names it (``block_forward``'s
     ``call`` argument indexes these)."""
@@ -43,8 +53,8 @@ class BlockCall:
     """The body's name, one per structure (``_region_3``)."""
     layout: str
     """How the call's leaves regroup into arguments (``region_tables.call_layout``'s key)."""
-    recipe: str
-    """How the gathered weights become the block's parameters (a key of regions' recipes)."""
+    recipe: Recipe
+    """How the gathered weights become the block's parameters."""
     constants: tuple[tuple, ...]
     """Per leaf: ``()`` where a tensor goes, ``(value,)`` for a constant."""
     train: bool

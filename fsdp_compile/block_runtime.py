@@ -270,7 +270,7 @@ def run_forward(
     if not call.train:
         with torch.no_grad(), autocast_as(call.autocast):
             output = frame(
-                block, call.layout, call.recipe, side, *body_weights(call, weights, copied_out), *call.leaves(tensors, stand_ins)
+                block, call.layout, call.recipe.key, side, *body_weights(call, weights, copied_out), *call.leaves(tensors, stand_ins)
             )
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
         return [*(t.detach() for t in outputs), token]
@@ -278,7 +278,7 @@ def run_forward(
     inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
     with autograd_inside():
         with autocast_as(call.autocast):
-            output = frame(block, call.layout, call.recipe, side, *slots, *call.leaves(inputs, stand_ins))
+            output = frame(block, call.layout, call.recipe.key, side, *slots, *call.leaves(inputs, stand_ins))
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
     _release(slots)
     if differentiated:

@@ -1,16 +1,16 @@
 """A repeated block's body: the block's own forward run on its gathered weights put in place
-of its parameters, one body function per block structure (NOTE: one body per repeated block,
-in regions.py).
+of its parameters, one body per block structure (NOTE: one body per repeated block, in
+regions.py).
 
 NOTE: structure before guards
     Dynamo's guards miss two things a layer can differ in: a hook on one layer only (Dynamo
     does not guard module hooks by default) and, for a submodule reached through a module
     it has already met, its class. A body compiled for layer 0 would then run for such a
     layer, with wrong numbers and no error (tests/test_regions.py holds both). So blocks are
-    first told apart by ``structure``: each structure gets a body function of its own
-    (``body_for``, run while tracing), with a code object, a frame cache and a traced
-    output layout of its own, and Dynamo's guards only ever choose among blocks alike in
-    structure.
+    first told apart by ``structure``: the compiling backend names a body per structure
+    (``MfsdpBackend.body_names``, while tracing), each with a frame of its own
+    (``MfsdpBackend.frame``: a code object, a frame cache and a traced output layout of its
+    own), and Dynamo's guards only ever choose among blocks alike in structure.
 
 NOTE: tensor-parallel blocks
     A block split by ``parallelize_module`` is a body like any other. Its tensor-parallel
@@ -34,8 +34,6 @@ NOTE: tensor-parallel blocks
 from __future__ import annotations
 
 import functools
-import types
-from typing import Callable
 
 import torch
 from torch import nn
@@ -177,19 +175,3 @@ def structure(block: nn.Module) -> tuple:
         )
         for path, module in block.named_modules()
     )
-
-
-# One body function per block structure, each with a code object of its own (see NOTE:
-# structure before guards).
-_BODY_OF: dict[tuple, tuple[str, Callable]] = {}
-
-
-def body_for(block: nn.Module) -> tuple[str, Callable]:
-    """The name and body function for the structure ``block`` has now: run while tracing, so
-    a hook added after fully_shard counts."""
-    key = structure(block)
-    if key not in _BODY_OF:
-        name = f"_region_{len(_BODY_OF)}"
-        code = region_body.__code__.replace(co_name=name)
-        _BODY_OF[key] = (name, types.FunctionType(code, region_body.__globals__, name))
-    return _BODY_OF[key]

@@ -1,8 +1,8 @@
 """The constants a repeated block's traced forward reads (NOTE: one body per repeated block, in
 regions.py): each through a function Dynamo runs rather than traces
 (``assume_constant_result``), which looks the block up by key and returns what its wrapper
-gathers, how its body regroups its leaves, and which layers share its body. Each table is
-append-only and named by key, a constant of the graph."""
+gathers, how its body regroups its leaves, and which layers share its body. Each table only
+names, by a key that is a constant of the graph, what a block or a block call owns."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_compile.block_record import call_record
+from fsdp_compile.block_record import Recipe, call_record
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.flat_params import check_linked
 from fsdp_compile.gathered_reads import marker_args
@@ -46,8 +46,8 @@ class RegionLayout:
 def gather_recipe(block_key: int) -> tuple:
     """What the wrapper of the block ``block_key`` gathers, as constants (run, not traced, by
     Dynamo): the markers' arguments of its flat parameters, then of the parameters on their
-    own, and the key of its recipe (``RECIPES``). Refuses a block whose parameters were
-    replaced since ``fully_shard``: its wrapper would gather the old ones."""
+    own, and the key of its recipe (``RECIPES``), which the block keeps. Refuses a block whose
+    parameters were replaced since ``fully_shard``: its wrapper would gather the old ones."""
     block = BLOCKS[block_key]
     _check_params(block)
     return (
@@ -62,22 +62,36 @@ def gather_recipe(block_key: int) -> tuple:
 # on their own; the owners those weights go to; the modules whose hooks the body records; per
 # weight, the tensor-parallel DTensor it is read as (NOTE: tensor-parallel blocks, in
 # region_body.py), else None. The same for every block of one structure and sharding, so a
-# body's frame sees one value. Append-only; read by key (``_key_in``).
-RECIPES: list[tuple] = []
+# body's frame sees one value. The table names them only: each block owns the recipe it
+# gathers with (``_mfsdp_recipe``) and each block call the one it was traced with, so a recipe
+# goes with the last of them.
+RECIPES: weakref.WeakValueDictionary[str, Recipe] = weakref.WeakValueDictionary()
+_RECIPE_KEYS = itertools.count()
 
 
 def _recipe_key(block: nn.Module) -> str:
     layout: RegionLayout = block._mfsdp_region
     flats = block._mfsdp_region_flats.values()
     paths = layout.paths()
-    recipe = (
+    value = (
         tuple((f._mfsdp_layout.unpack_args(shard_info(f).param_dtype), f._mfsdp_layout.trims()) for f in flats),
         layout.slots,
         tuple((tuple(path.split(".")) if path else (), names) for path, names in layout.owners),
         hooked_modules(block),
         tuple(_tensor_parallel_read(param_at(block, paths[i])) for i in layout.slots),
     )
-    return _key_in(RECIPES, recipe)
+    recipe = getattr(block, "_mfsdp_recipe", None)
+    if recipe is None or recipe.value != value:
+        # A key is a string, since a body's frame takes it as an argument: Dynamo may make an
+        # int argument symbolic (a step compiled with ``dynamic=True``, an int that changed
+        # between calls), and the body could then not read its table without a graph break
+        # (torch 2.13) or an internal error (2.11); it never makes a string symbolic.
+        recipe = next((r for r in list(RECIPES.values()) if r.value == value), None)
+        if recipe is None:
+            recipe = Recipe(key=str(next(_RECIPE_KEYS)), value=value)
+            RECIPES[recipe.key] = recipe
+        block._mfsdp_recipe = recipe
+    return recipe.key
 
 
 def _tensor_parallel_read(param: nn.Parameter) -> tuple | None:
@@ -92,21 +106,9 @@ def _tensor_parallel_read(param: nn.Parameter) -> tuple | None:
     return (read.mesh, read.mesh.get_group().group_name, read.placements, read.shape, read.stride)
 
 
-def _key_in(table: list, value: object) -> str:
-    """``value``'s key in the append-only ``table`` (its index, as a string), appended if new:
-    what Dynamo sees as a constant in place of the value. A string, since a body's frame
-    takes it as an argument: Dynamo may make an int argument symbolic (a step compiled with
-    ``dynamic=True``, an int that changed between calls), and the body could then not read
-    its table without a graph break (torch 2.13) or an internal error (2.11); it never makes
-    a string symbolic."""
-    if value not in table:
-        table.append(value)
-    return str(table.index(value))
-
-
 @torch._dynamo.assume_constant_result
 def recipe_of(recipe: str) -> tuple:
-    return RECIPES[int(recipe)]
+    return RECIPES[recipe].value
 
 
 def _check_params(block: nn.Module) -> None:

@@ -54,7 +54,7 @@ from fsdp_compile.block_runtime import autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat, note_graded
 from fsdp_compile.gathered_reads import copied_module, unshard_marker
 from fsdp_compile.records import next_param_id, shard_info
-from fsdp_compile.region_body import body_for, region_inline
+from fsdp_compile.region_body import region_body, region_inline, structure
 from fsdp_compile.region_tables import (
     BLOCK_KEYS,
     BLOCKS,
@@ -158,13 +158,14 @@ def _block_call(
     if backend is None or (not backend.options.regional and not train):
         return -1, True
     block = BLOCKS[block_key]
-    name, body = body_for(block)
+    name = backend.body_names.setdefault(structure(block), f"_region_{len(backend.body_names)}")
     if name in backend.unfakeable:  # NOTE: a block fake tensors cannot run, in block_fakes.py
         return -1, True
     values = iter(constants)
-    flats = tuple(FlatCopy(unpack=unpack) for unpack, _ in RECIPES[int(recipe)][0])
+    traced_with = RECIPES[recipe]
+    flats = tuple(FlatCopy(unpack=unpack) for unpack, _ in traced_with.value[0])
     call = register_call(BlockCall(
-        block=weakref.ref(block), body=body, name=name, layout=layout, recipe=recipe,
+        block=weakref.ref(block), body=region_body, name=name, layout=layout, recipe=traced_with,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
         autocast=autocast_state(), flats=flats,
     ), backend.calls)
@@ -252,7 +253,7 @@ def _refresh_params(self: nn.Module, fn, recurse: bool = True):
     return result
 
 
-_OWN_BOOKKEEPING = ("_mfsdp_region_key", "_mfsdp_region_flats", "_mfsdp_region_params")
+_OWN_BOOKKEEPING = ("_mfsdp_region_key", "_mfsdp_region_flats", "_mfsdp_region_params", "_mfsdp_recipe")
 
 
 def _copied_region(self: nn.Module, memo: dict) -> nn.Module:

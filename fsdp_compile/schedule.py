@@ -33,7 +33,7 @@ from torch import fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_compile.node_meta import MEMBERS, PARAM_ID
+from fsdp_compile.node_meta import FLOPS_BY_SIGNATURE, MEMBERS, PARAM_ID
 from fsdp_compile.patterns import (
     CollectiveFacts,
     bucket_index,
@@ -156,10 +156,6 @@ def _signature(value: object) -> object:
     return value
 
 
-_FLOPS: dict[str, int] = {}
-"""Counted FLOPs by op and argument shapes: a transformer repeats a few dozen signatures."""
-
-
 def _node_flops(node: fx.Node) -> int:
     """FLOPs of one node, counted on its fake tensors (0 when it cannot be counted)."""
     if not isinstance(node.target, torch._ops.OpOverload):
@@ -168,9 +164,11 @@ def _node_flops(node: fx.Node) -> int:
         lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
     )
     key = repr((node.target, tree_map(_signature, (args, kwargs))))
-    if key not in _FLOPS:
-        _FLOPS[key] = _count_flops(node.target, args, kwargs)
-    return _FLOPS[key]
+    gm = node.graph.owning_module
+    counted = gm.meta.setdefault(FLOPS_BY_SIGNATURE, {}) if gm is not None else {}
+    if key not in counted:
+        counted[key] = _count_flops(node.target, args, kwargs)
+    return counted[key]
 
 
 def _count_flops(target, args, kwargs) -> int:

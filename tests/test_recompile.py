@@ -75,7 +75,7 @@ def test_shape_changes_recompile_a_bounded_number_of_times_and_keep_parity():
         assert compiled["param_error"] <= 1.1 * uncompiled["param_error"], result
         assert compiled["graphs"] <= 3, result
         # dynamic=True: every shape runs one graph (repeated blocks then trace inline: a torch
-        # 2.13 limit, see region_body.body_for), at the same parity.
+        # 2.13 limit), at the same parity.
         dynamic = result["dynamic"]
         assert dynamic["loss_error"] < 1e-5 and dynamic["param_error"] <= 1.1 * uncompiled["param_error"], result
         assert dynamic["frames"] == 1, result

@@ -1,16 +1,19 @@
 """Two models sharded and compiled in one process do not interact: each trains at parity with
-its own unsharded reference, under options of its own, and dumps into its own folder."""
+its own unsharded reference, under options of its own, and dumps into its own folder; and a
+model gone leaves nothing of its own in the process."""
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile import MfsdpBackend, fully_shard, region_tables
 from fsdp_compile.testing.models import TransformerConfig, loss_fn
 from harness import (
     build_model,
@@ -111,6 +114,41 @@ def test_one_model_accumulating_leaves_the_other_s_step_and_gradients_as_they_we
         assert len(b_backend.all_graphs()) == compiled
         assert any(e is not None for e in expected)
         assert all(g is e or torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_model_once_gone_leaves_nothing_the_process_holds(compiled: bool):
+    """What the process keeps of a sharded model only names what the model owns (its blocks,
+    the recipes they gather with): after two steps and ``del``, the model and its backend are
+    collected, and no table names its blocks or their recipes. Eagerly, that is all of it; a
+    compiled step's graphs stay in the process as long as Dynamo keeps its compiled code
+    (in the globals of the model's module, even after ``torch._dynamo.reset()``), and the
+    recipes its block calls were traced with with them."""
+    cfg = TransformerConfig(dim=36, hidden=70)  # a structure no other test's block shares
+    tokens, targets = make_batch(cfg, 2, 8, 0, 0)
+
+    def train_and_drop() -> tuple[weakref.ref, weakref.ref, list[int], list[str]]:
+        model = fully_shard(build_model(cfg))
+        backend = MfsdpBackend(compiler="eager")
+        step = torch.compile(model, backend=backend) if compiled else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            loss_fn(step(tokens), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        blocks = [block._mfsdp_region_key for block in model.layers]
+        recipes = [block._mfsdp_recipe.key for block in model.layers]
+        return weakref.ref(model), weakref.ref(backend), blocks, recipes
+
+    with one_rank_group():
+        model, backend, blocks, recipes = train_and_drop()
+        torch._dynamo.reset()
+        gc.collect()
+        assert model() is None and backend() is None
+        assert not set(blocks) & set(region_tables.BLOCKS), blocks
+        if not compiled:
+            assert not set(recipes) & set(region_tables.RECIPES), recipes
 
 
 @pytest.mark.structure
