@@ -41,7 +41,7 @@ from fsdp_compile.patterns import is_block_call, is_block_forward, is_block_prob
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan
 from fsdp_compile.planner import build_plan
-from fsdp_compile.recompile_limit import Recompile, say_last_compile
+from fsdp_compile.recompile_limit import Recompile, note_compile
 
 __all__ = ["mfsdp_backend", "MfsdpBackend", "CompiledGraph", "register", "compiling_backend"]
 
@@ -134,8 +134,8 @@ class CompiledGraph:
     """One graph Dynamo handed the backend, driven through every stage; it keeps the plan and
     the graph each stage produced, for inspection, dumps and tests."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list, options: BackendOptions) -> None:
-        self.plan: Plan = build_plan(gm, example_inputs, options)
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, options: BackendOptions, ranks_in_step: bool = True) -> None:
+        self.plan: Plan = build_plan(gm, example_inputs, options, ranks_in_step)
         self.calls = tuple(call_record(n.args[2]) for n in gm.graph.nodes if is_block_forward(n) or is_block_probe(n))
         """The block calls this graph names, kept by the graph too: one kept for inspection
         (the simulator, ``explain``) reads them after its backend is gone."""
@@ -348,8 +348,8 @@ class MfsdpBackend:
         owner = compiling_backend() or self
         if not self.options.cuda_graph:  # refused there, by the pipeline's check
             _say_graph_break(gm, owner)
-        say_last_compile(owner.recompiles, f"_of_backend{owner._serial}", example_inputs)
-        graph = CompiledGraph(gm, example_inputs, self.options)
+        compiles = note_compile(owner.recompiles, f"_of_backend{owner._serial}", example_inputs)
+        graph = CompiledGraph(gm, example_inputs, self.options, ranks_in_step=compiles == 1)
         graphs.append(graph)
         with missing_gradients_stay_missing():
             return graph.compile(example_inputs)

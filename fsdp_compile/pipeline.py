@@ -87,7 +87,9 @@ def build_pipeline(plan: Plan) -> Pipeline:
         *([Pass("check_graph_breaks", "dynamo", passes.check_graph_breaks, rewrites=False)] if options.cuda_graph else []),
         Pass("drop_block_probes", "dynamo", passes.drop_block_probes, passes.check_drop_block_probes),
         Pass("dedupe_unshards", "dynamo", passes.dedupe_unshards, passes.check_dedupe_unshards),
-        Pass("check_rank_agreement", "dynamo", passes.check_rank_agreement, rewrites=False),
+        # Its collective runs where every rank compiles this graph (NOTE: the rank check runs
+        # where the ranks compile together, in check_rank_agreement.py).
+        *([Pass("check_rank_agreement", "dynamo", passes.check_rank_agreement, rewrites=False)] if plan.ranks_in_step else []),
     ]
     joint = [
         Pass("constant_opaque_outputs", "joint", passes.constant_opaque_outputs, passes.check_constant_opaque_outputs),

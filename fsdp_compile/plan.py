@@ -275,6 +275,12 @@ class Plan:
     """A repeated block's body (NOTE: one op per block call, in fsdp_compile/block_call.py):
     the positions of its inputs that are gathered weights, which ``reshard`` keeps the body
     from saving in any other form than as the input itself."""
+    ranks_in_step: bool = True
+    """Every rank compiles this graph at the same call: its backend's first compile of the
+    frame, which every rank makes when the step first runs. A recompile may be one rank's
+    alone (its batch padded to a longer sequence, a shorter last batch), while the others run
+    their graphs: it must not add a collective of its own (NOTE: the rank check runs where
+    the ranks compile together, in check_rank_agreement.py)."""
 
     # Passes look a parameter up per marker node: dicts, built on first use (the dataclass
     # is frozen, so they cannot go stale).
@@ -316,6 +322,7 @@ class Plan:
             "params": [p.to_dict() for p in self.params],
             "buckets": [asdict(b) for b in self.buckets],
             "gathered_inputs": list(self.gathered_inputs),
+            "ranks_in_step": self.ranks_in_step,
         }
         return json.dumps(record, indent=2, default=dtype_name)
 

@@ -53,8 +53,9 @@ def _source_name(node: fx.Node) -> str:
     return ".".join(keys[1:]) if len(keys) > 1 else grapharg.source.name
 
 
-def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions) -> Plan:
-    """Read the sharded parameters a Dynamo graph takes as inputs into a ``Plan``.
+def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, ranks_in_step: bool = True) -> Plan:
+    """Read the sharded parameters a Dynamo graph takes as inputs into a ``Plan``
+    (``ranks_in_step``: see ``Plan``).
 
     Raises ``CompileUsageError`` for a plain ``nn.Parameter`` among the inputs: the model (or
     part of it) was never given to ``fully_shard``, and running it would silently train an
@@ -96,7 +97,8 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
         params, read_order, enabled=options.bucketing, cap_bytes=options.bucket_cap_bytes
     )
     return Plan(
-        graph_name=str(graph_name), options=options, params=tuple(params), buckets=buckets, gathered_inputs=gathered
+        graph_name=str(graph_name), options=options, params=tuple(params), buckets=buckets, gathered_inputs=gathered,
+        ranks_in_step=ranks_in_step,
     )
 
 

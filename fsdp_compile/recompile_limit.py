@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Recompile", "say_last_compile"]
+__all__ = ["Recompile", "note_compile"]
 
 
 # NOTE: the recompile limit is said
@@ -76,16 +76,17 @@ def _what_compiles_were_for(compiles: list[Recompile], limit: int) -> str:
     return said
 
 
-def say_last_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: str, example_inputs: list) -> None:
+def note_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: str, example_inputs: list) -> int:
     """Keep what the compile under way is for in ``recompiles`` (a backend's, by frame and
     Dynamo's count of that frame's compiles); warn when Dynamo compiles its frame for the last
     time (NOTE: the recompile limit is said). ``body_suffix`` ends the code names of that
-    backend's repeated blocks' bodies (``MfsdpBackend.frame``)."""
+    backend's repeated blocks' bodies (``MfsdpBackend.frame``). Returns how many times the
+    backend has compiled the frame, this compile included (1 outside a Dynamo compile)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     compile_id = torch._guards.CompileContext.current_compile_id()
     if compile_id is None:
-        return
+        return 1
     tx = InstructionTranslator.current_tx() if torch._guards.TracingContext.try_get() else None
     code = getattr(tx, "f_code", None)
     frame = f"{code.co_name} ({code.co_filename}, line {code.co_firstlineno})" if code else "a frame"
@@ -96,16 +97,16 @@ def say_last_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: s
         recompiles[frame].clear()
     recompiles[frame][compile_id.frame_compile_id] = _recompile(example_inputs)
     limit = torch._dynamo.config.recompile_limit
-    if compile_id.frame_compile_id != limit - 1:
-        return
-    why = _what_compiles_were_for(list(recompiles[frame].values()), limit)
-    warnings.warn(
-        f"mfsdp: Dynamo compiles {frame} for the last time in this process, compile {limit} of "
-        f"its limit (torch._dynamo.config.recompile_limit = {limit}), and runs it uncompiled from "
-        f"the next time on, gathering each parameter at each read.{why} Fixes: for shapes that change from batch "
-        "to batch, pad batches to a few fixed lengths or compile with dynamic=True; for an "
-        "evaluation between steps and turns of set_requires_gradient_sync, raise "
-        "torch._dynamo.config.recompile_limit; for another model, call torch.compiler.reset() "
-        "before building it.",
-        stacklevel=3,
-    )
+    if compile_id.frame_compile_id == limit - 1:
+        why = _what_compiles_were_for(list(recompiles[frame].values()), limit)
+        warnings.warn(
+            f"mfsdp: Dynamo compiles {frame} for the last time in this process, compile {limit} of "
+            f"its limit (torch._dynamo.config.recompile_limit = {limit}), and runs it uncompiled from "
+            f"the next time on, gathering each parameter at each read.{why} Fixes: for shapes that change from batch "
+            "to batch, pad batches to a few fixed lengths or compile with dynamic=True; for an "
+            "evaluation between steps and turns of set_requires_gradient_sync, raise "
+            "torch._dynamo.config.recompile_limit; for another model, call torch.compiler.reset() "
+            "before building it.",
+            stacklevel=3,
+        )
+    return len(recompiles[frame])

@@ -566,12 +566,14 @@ def float8_model(cfg: TransformerConfig = FLOAT8_CFG, seed: int = 0, filtered: b
 
 def per_rank_reference(
     model, cfg: TransformerConfig, world: int, steps: int = STEPS, micro_batches: int = 1,
-    rank_seeds: list[int] | None = None,
+    rank_seeds: list[int] | None = None, batches=None,
 ):
     """``model`` (unsharded) trained on each rank's batches in turn, summing the gradients of
     loss / (world * micro_batches): what a data-parallel job computes when each rank's
-    activations are cast on their own (float8 scales them by their own amax). Returns (mean
-    losses, {name: parameter, a float8 weight's fp32 master}), as ``reference``.
+    activations are cast on their own (float8 scales them by their own amax), or when ranks'
+    batches differ in shape. Returns (mean losses, {name: parameter, a float8 weight's fp32
+    master}), as ``reference``. ``batches(step, rank)``, when given, is each rank's batch
+    (one micro-batch).
 
     With ``rank_seeds``, each rank's batches draw their random numbers (dropout masks) from
     that rank's own stream, seeded ``rank_seeds[rank]`` before the first step and carried
@@ -587,7 +589,10 @@ def per_rank_reference(
                 if streams is not None:
                     torch.set_rng_state(streams[rank])
                 for micro in range(micro_batches):
-                    tokens, targets = make_batch(cfg, LOCAL_BATCH, SEQ, step * micro_batches + micro, rank)
+                    if batches is None:
+                        tokens, targets = make_batch(cfg, LOCAL_BATCH, SEQ, step * micro_batches + micro, rank)
+                    else:
+                        tokens, targets = batches(step, rank)
                     loss = loss_fn(model(tokens), targets) / (world * micro_batches)
                     loss.backward()
                     total += loss.detach()

@@ -1,6 +1,6 @@
-"""Shape changes recompile (Dynamo's automatic dynamic shapes) without losing parity, the compile
-that reaches Dynamo's recompile limit says what the compiles were for, and runs are
-deterministic on CPU."""
+"""Shape changes recompile (Dynamo's automatic dynamic shapes) without losing parity, also where
+one rank recompiles alone; the compile that reaches Dynamo's recompile limit says what the
+compiles were for, and runs are deterministic on CPU."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from harness import (
     max_param_error,
     mean_over_ranks,
     one_rank_group,
+    per_rank_reference,
     relative_error,
     spawn,
     train,
@@ -80,6 +81,55 @@ def test_shape_changes_recompile_a_bounded_number_of_times_and_keep_parity():
         assert dynamic["loss_error"] < 1e-5 and dynamic["param_error"] <= 1.1 * uncompiled["param_error"], result
         assert dynamic["frames"] == 1, result
 
+
+
+# (local batch, sequence length) per rank and step, as each rank's batches come padded to their
+# own longest sequence: rank 1's length changes at step 1, rank 0's at step 2, rank 0's last
+# batch is shorter. Each change recompiles on that rank alone, while the other runs its graphs.
+RAGGED = {0: [(2, 8), (2, 8), (2, 12), (1, 12)], 1: [(2, 8), (2, 10), (2, 10), (2, 14)]}
+
+
+def _ragged_batch(cfg: TransformerConfig, step: int, rank: int):
+    batch, seq = RAGGED[rank][step]
+    return make_batch(cfg, batch, seq, step, rank)
+
+
+def _ragged(rank, world, *, cfg):
+    steps = len(RAGGED[rank])
+    results = {}
+    for mode in ("none", "eager"):
+        torch._dynamo.reset()
+        model = fully_shard(build_model(cfg))
+        backend = MfsdpBackend(compiler="eager")
+        forward = model if mode == "none" else torch.compile(model, backend=backend)
+        losses = mean_over_ranks(train(model, forward, lambda step: _ragged_batch(cfg, step, rank), steps=steps))
+        results[mode] = {
+            "losses": losses,
+            "params": full_parameters(model),
+            "checked": [graph.plan.ranks_in_step for graph in backend.graphs],
+        }
+    return results
+
+
+@pytest.mark.multirank
+def test_a_rank_that_recompiles_alone_for_its_own_shapes_trains_on_at_parity():
+    """Ranks whose batches differ in shape from step to step (each padded to its own longest
+    sequence, a shorter last batch) recompile the step at different steps, one rank alone.
+    That recompile adds no collective the others would not run (the rank check, a collective,
+    ran once, at the first compile, where all ranks compile together), so training goes on:
+    the loss and weights of the unsharded model trained on each rank's batches, averaged. The
+    check at every compile made gloo abort at the first recompile ("Received data size
+    doesn't match expected size")."""
+    cfg = TransformerConfig()
+    ref_losses, ref_params = per_rank_reference(
+        build_model(cfg), cfg, 2, steps=len(RAGGED[0]), batches=lambda step, rank: _ragged_batch(cfg, step, rank)
+    )
+    for rank, result in enumerate(spawn(_ragged, 2, cfg=cfg)):
+        for mode, r in result.items():
+            assert relative_error(r["losses"], ref_losses) < 1e-5, (rank, mode)
+            assert max_param_error(r["params"], ref_params)[0] < 2e-5, (rank, mode)
+        checked = result["eager"]["checked"]
+        assert checked[0] and not any(checked[1:]) and len(checked) > 1, (rank, checked)
 
 
 @pytest.mark.structure

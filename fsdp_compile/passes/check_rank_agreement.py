@@ -1,4 +1,18 @@
-"""Pass (Dynamo graph): all ranks are about to run the same collectives, or all raise."""
+"""Pass (Dynamo graph): all ranks are about to run the same collectives, or all raise.
+
+NOTE: the rank check runs where the ranks compile together
+    The check is a collective at compile time, so every rank of the group must run it at the
+    same point of the program, before any of the graph's collectives. A backend's first
+    compile of a frame is such a point: the step's first call compiles on every rank. A
+    recompile is not: a rank whose batch came padded to a longer sequence, or whose last
+    batch is shorter, compiles its frame again alone, while the others run the graphs they
+    have, and its check would meet their first gather (gloo aborts on the size mismatch; NCCL
+    hangs or reads the wrong bytes). So the pipeline runs it only for a plan with
+    ``ranks_in_step`` (the backend's first compile of the frame). A recompile gathers what
+    the first compile did, in the same order: shapes change no collective (ranks already
+    differ in detail, and ``schedule_collectives`` orders by what they share; NOTE: the
+    planned order).
+"""
 
 from __future__ import annotations
 
