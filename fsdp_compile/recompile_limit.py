@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["Recompile", "note_compile"]
 
@@ -99,6 +100,13 @@ def note_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: str, 
     limit = torch._dynamo.config.recompile_limit
     if compile_id.frame_compile_id == limit - 1:
         why = _what_compiles_were_for(list(recompiles[frame].values()), limit)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Each rank compiles for its own batches' shapes, so ranks reach the limit apart.
+            why += (
+                " On several ranks it is worse than slow: a rank that runs the step uncompiled "
+                "while the others run it compiled issues other collectives, and the job fails or "
+                "hangs there; ranks whose batches differ in shape reach the limit at different steps."
+            )
         warnings.warn(
             f"mfsdp: Dynamo compiles {frame} for the last time in this process, compile {limit} of "
             f"its limit (torch._dynamo.config.recompile_limit = {limit}), and runs it uncompiled from "
