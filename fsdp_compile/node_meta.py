@@ -13,7 +13,6 @@ __all__ = [
     "BYTES_BY_DTYPE",
     "CARRIES",
     "FLOAT8_SCALE",
-    "FLOPS_BY_SIGNATURE",
     "MEMBERS",
     "PARAM_ID",
     "PREFETCH",
@@ -48,7 +47,3 @@ AMAX = "mfsdp_amax"
 
 PREFETCH = "mfsdp_prefetch"
 """``GraphModule.meta``: the prefetch distance each bucket got (``schedule_collectives``)."""
-
-FLOPS_BY_SIGNATURE = "mfsdp_flops_by_signature"
-"""``GraphModule.meta``: the FLOPs the cost model counted, by op and argument shapes (a
-transformer's graph repeats a few dozen signatures)."""

@@ -25,6 +25,7 @@ The numbers are estimates for the named hardware, not measurements (see docs/deb
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
@@ -33,7 +34,7 @@ from torch import fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_compile.node_meta import FLOPS_BY_SIGNATURE, MEMBERS, PARAM_ID
+from fsdp_compile.node_meta import MEMBERS, PARAM_ID
 from fsdp_compile.patterns import (
     CollectiveFacts,
     bucket_index,
@@ -156,6 +157,12 @@ def _signature(value: object) -> object:
     return value
 
 
+_FLOPS: weakref.WeakKeyDictionary[fx.Graph, dict[str, int]] = weakref.WeakKeyDictionary()
+"""Per graph, the FLOPs counted by op and argument shapes (a transformer's graph repeats a few
+dozen signatures): the graph owns them, and they go with it. Not in ``GraphModule.meta``,
+which the compile caches hash."""
+
+
 def _node_flops(node: fx.Node) -> int:
     """FLOPs of one node, counted on its fake tensors (0 when it cannot be counted)."""
     if not isinstance(node.target, torch._ops.OpOverload):
@@ -164,8 +171,7 @@ def _node_flops(node: fx.Node) -> int:
         lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
     )
     key = repr((node.target, tree_map(_signature, (args, kwargs))))
-    gm = node.graph.owning_module
-    counted = gm.meta.setdefault(FLOPS_BY_SIGNATURE, {}) if gm is not None else {}
+    counted = _FLOPS.setdefault(node.graph, {})
     if key not in counted:
         counted[key] = _count_flops(node.target, args, kwargs)
     return counted[key]
