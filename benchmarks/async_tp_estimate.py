@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_compile.async_tp_estimate import AsyncTensorParallelEstimate, estimate_async_tp
-from fsdp_compile.schedule import NVLINK_GPU, Hardware
+from fsdp_compile.cost_model import NVLINK_GPU, Hardware
 from fsdp_compile.simulate import INFINIBAND_GPU
 
 

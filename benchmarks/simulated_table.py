@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from fsdp_compile.schedule import NVLINK_GPU
+from fsdp_compile.cost_model import NVLINK_GPU
 from fsdp_compile.simulate import INFINIBAND_GPU, SCHEDULES, simulate, trace_step
 
 # NOTE: the table's shapes

@@ -24,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.bench.presets import PRESETS, build, materialize, train_flops
 from fsdp_compile.patterns import collective_facts, is_collective
-from fsdp_compile.schedule import collective_seconds
+from fsdp_compile.cost_model import collective_seconds
 from fsdp_compile.simulate import INFINIBAND_GPU, simulate
 from fsdp_compile.testing.models import loss_fn, make_batch
 

@@ -13,7 +13,7 @@ from fsdp_compile.backend import CompiledGraph, MfsdpBackend, mfsdp_backend, reg
 from fsdp_compile.errors import UsageError
 from fsdp_compile.expert_parallel import expert_mesh
 from fsdp_compile.explain import Explanation, explain
-from fsdp_compile.schedule import Hardware
+from fsdp_compile.cost_model import Hardware
 from fsdp_compile.plan import BackendOptions, Plan
 
 __all__ = [

@@ -35,7 +35,7 @@ from fsdp_compile.float8 import Float8Gather, float8_gather_of, is_float8_weight
 from fsdp_compile.gathered_reads import install_properties
 from fsdp_compile.hf import install_prelude
 from fsdp_compile.meta_buffers import watch_meta_buffers
-from fsdp_compile.ops import GATHERING_STRATEGIES, Strategy, padded_rows
+from fsdp_compile.markers import GATHERING_STRATEGIES, Strategy, padded_rows
 from fsdp_compile.optim_guard import install as install_optimizer_guard
 from fsdp_compile.records import (
     MixedPrecision,

@@ -12,7 +12,7 @@ takes::
     unpadding of an even shard, a no-op)
 
 NOTE: the async TP estimate
-    A collective of ``t`` seconds (``schedule.collective_seconds``) next to matmuls of ``m``
+    A collective of ``t`` seconds (``cost_model.collective_seconds``) next to matmuls of ``m``
     seconds, both cut into ``tp`` chunks: each piece travels while the matmuls compute on
     other chunks. All of ``t`` hides when the matmuls take longer; otherwise all of the
     matmuls but one chunk (the one computed with nothing in flight) run under it. So it
@@ -35,7 +35,7 @@ from torch import fx
 
 from fsdp_compile.backend import CompiledGraph
 from fsdp_compile.patterns import collective_facts, is_all_gather, is_collective, is_reduce_scatter, is_wait
-from fsdp_compile.schedule import (
+from fsdp_compile.cost_model import (
     NVLINK_GPU,
     Hardware,
     collective_seconds,

@@ -31,7 +31,7 @@ from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
 
 class _RooflineCounter(TorchDispatchMode):
     """What the cost model charges the body's ops, had they been nodes of the step
-    (fsdp_compile/schedule.py): FLOPs where torch counts them, else the bytes an op writes (a
+    (fsdp_compile/cost_model.py): FLOPs where torch counts them, else the bytes an op writes (a
     view writes none).
 
     A tensor-parallel body computes on DTensors, whose ops this mode sees at their global
@@ -339,7 +339,7 @@ class _Graded:
         reading a parameter on its own), which outputs the backward reached
         (``traced["graded"]``); the step's backward then gives a weight no member of which
         has a gradient none at all, and the marker's backward takes that None as it is, not
-        as zeros (``ops._unshard_setup_context``): no reduction runs for it and its ``.grad``
+        as zeros (``markers._unshard_setup_context``): no reduction runs for it and its ``.grad``
         stays None, as at the root. Each traced call tells its block's flats which members to
         hand out; a call traced inline (``regional=False``) is fake-run for that alone
         (``block_graded``). Run eagerly, the copy-out's own node says so at each backward

@@ -46,7 +46,7 @@ from torch import fx
 
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.plan import Plan
-from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline
+from fsdp_compile.cost_model import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline
 
 __all__ = ["GraphDumper", "debug_dir", "DEBUG_DIR_ENV"]
 
@@ -125,7 +125,7 @@ class GraphDumper:
                 for t in timelines
             ],
             "hardware": asdict(self.hardware),
-            "note": "times are estimates from fsdp_compile.schedule's cost model, not measurements",
+            "note": "times are estimates of fsdp_compile.cost_model, not measurements",
         }
         write_atomic(self.folder / "schedule.json", json.dumps(document, indent=2))
         write_atomic(self.folder / "timeline.png", draw_timeline(timelines))

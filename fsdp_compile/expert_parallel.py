@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compile.errors import UsageError
-from fsdp_compile.ops import GATHERING_STRATEGIES
+from fsdp_compile.markers import GATHERING_STRATEGIES
 
 __all__ = [
     "EXPERT_MESH_DIMS",

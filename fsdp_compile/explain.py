@@ -10,7 +10,7 @@ from torch import nn
 
 from fsdp_compile.records import shard_info
 from fsdp_compile.backend import CompiledGraph, MfsdpBackend
-from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline, with_bodies
+from fsdp_compile.cost_model import NVLINK_GPU, Hardware, collective_schedule, estimate_timeline, with_bodies
 
 __all__ = ["explain", "Explanation"]
 
@@ -125,8 +125,9 @@ def explain(
     """Compile ``model`` with mfsdp (eager compiler), run one forward, and summarise.
 
     The forward runs real all-gathers: call it on every rank, like any collective. Estimates
-    use ``fsdp_compile.schedule``'s cost model for ``hardware``. Under tensor parallelism the
-    collectives DTensor traced on the "tp" group are listed, and timed, apart from the rest.
+    use the cost model of ``fsdp_compile.cost_model`` for ``hardware``. Under tensor
+    parallelism the collectives DTensor traced on the "tp" group are listed, and timed, apart
+    from the rest.
     """
     backend = MfsdpBackend(compiler="eager", **options)
     # Compile the backward now, with its passes (AOTAutograd otherwise waits for a backward).

@@ -67,7 +67,7 @@ from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
 
 from fsdp_compile.records import ShardInfo, shard_info
 from fsdp_compile.errors import CompileUsageError
-from fsdp_compile.ops import padded_rows
+from fsdp_compile.markers import padded_rows
 
 __all__ = [
     "FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat", "note_graded",

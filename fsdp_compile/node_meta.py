@@ -1,6 +1,6 @@
 """The keys our passes write into ``fx.Node.meta`` and ``GraphModule.meta``, in one place.
 
-Each names what a later pass, the schedule's cost model or a test reads back. The partitioner
+Each names what a later pass, the cost model or a test reads back. The partitioner
 copies node meta into the forward and backward graphs, so a key set on the joint graph is
 there after partitioning.
 """

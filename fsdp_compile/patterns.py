@@ -12,7 +12,7 @@ The shapes they match, per sharded parameter (``*`` = zero or more, ``[]`` = onl
         block_backward ─ getitem (per member) ─ pack_for_reduce_scatter ─ view ─ reduce_grad ──> the flat's .grad
             (the block op's autograd formula packs the members' gradients)
     lowered (joint graph; casts only under mixed precision, [+ pending] only after accumulation,
-    div only where the plan's reduce_op is "sum": see NOTE: averaging in the collective, in ops.py)
+    div only where the plan's reduce_op is "sum": see NOTE: averaging in the collective, in markers.py)
         shard ─[cast]─[pad]─ all_gather_into_tensor ─ wait_tensor ─[slice]─ view* ──> use
         grad ─[cast]─[+ pending]─[pad]─ reduce_scatter_tensor ─ wait_tensor
              ─[all_reduce ─ wait_tensor]─[slice]─[div]─[cast]──> .grad     (ZeRO-2/3, [HSDP])
@@ -39,7 +39,7 @@ from fsdp_compile.node_meta import BUCKET, BYTES_BY_DTYPE, CARRIES, PARAM_ID, UN
 from fsdp_compile import bucket_copies as _bucket_copies  # noqa: F401  (registers its ops)
 from fsdp_compile import whole_gathers as _whole_gathers  # noqa: F401  (registers its op)
 from fsdp_compile.block_call import BLOCK_BACKWARD, BLOCK_FORWARD, BLOCK_GRADED, RNG_STATE
-from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
+from fsdp_compile import markers as _markers  # noqa: F401  (registers the fsdp_compile:: ops)
 from fsdp_compile.float8 import FLOAT8_CAST
 
 UNSHARD = torch.ops.fsdp_compile.unshard.default

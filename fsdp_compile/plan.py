@@ -17,7 +17,7 @@ import torch
 
 from fsdp_compile.records import ShardInfo
 from fsdp_compile.errors import CompileUsageError
-from fsdp_compile.ops import GATHERING_STRATEGIES, SCATTERING_STRATEGIES, GradReduceOp
+from fsdp_compile.markers import GATHERING_STRATEGIES, SCATTERING_STRATEGIES, GradReduceOp
 
 __all__ = ["BackendOptions", "BucketPlan", "ParamPlan", "Plan", "dtype_name"]
 
@@ -173,7 +173,7 @@ class ParamPlan:
     requires_grad: bool
     """False for frozen parameters: gathered, never reduce-scattered."""
     reduce_op: GradReduceOp = "sum"
-    """How its gradient's collectives reduce: "avg", or "sum" and a division by ``grad_divisor`` (``ops.gradient_reduce_op``)."""
+    """How its gradient's collectives reduce: "avg", or "sum" and a division by ``grad_divisor`` (``markers.gradient_reduce_op``)."""
 
     @property
     def param_id(self) -> int:

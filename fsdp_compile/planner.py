@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile.records import repeated_block, shard_info
 from fsdp_compile.errors import CompileUsageError
-from fsdp_compile.ops import gradient_reduce_op
+from fsdp_compile.markers import gradient_reduce_op
 from fsdp_compile.patterns import is_unshard, marker_param_id
 from fsdp_compile.plan import BackendOptions, BucketPlan, ParamPlan, Plan
 

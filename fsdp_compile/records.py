@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import Float8Gather
-from fsdp_compile.ops import Strategy
+from fsdp_compile.markers import Strategy
 
 
 __all__ = ["MixedPrecision", "ShardInfo", "shard_info", "is_fully_sharded", "gathered_params", "repeated_block"]

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import is_float8_weight
-from fsdp_compile.ops import STRATEGIES
+from fsdp_compile.markers import STRATEGIES
 from fsdp_compile.records import ShardInfo, built_class_name, is_fully_sharded, shard_info
 
 

@@ -1,8 +1,8 @@
 """``simulate``: step time, exposed communication and peak memory of a compiled step, at scale.
 
-Plays a compiled graph's forward and backward with ``fsdp_compile.schedule``'s two-stream cost
-model (FLOP-counted compute, ring alpha-beta collectives) for a ``Hardware``, and compares three
-schedules of the same bucketed graphs:
+Plays a compiled graph's forward and backward with the two-stream cost model of
+``fsdp_compile.cost_model`` (FLOP-counted compute, ring alpha-beta collectives) for a
+``Hardware``, and compares three schedules of the same bucketed graphs:
 
 - ``no_overlap``: every collective waited on right where it is issued, each gather issued at its
   bucket's first use (prefetch 0): communication never hides behind compute;
@@ -54,7 +54,7 @@ from fsdp_compile.block_record import call_record
 from fsdp_compile.passes.schedule_collectives import collective_groups, ranked_gathers, schedule_collectives
 from fsdp_compile.patterns import is_collective, is_view, is_wait
 from fsdp_compile.plan import Plan
-from fsdp_compile.schedule import NVLINK_GPU, Hardware, estimate_timeline
+from fsdp_compile.cost_model import NVLINK_GPU, Hardware, estimate_timeline
 
 __all__ = ["simulate", "Simulation", "ScheduleEstimate", "peak_memory", "INFINIBAND_GPU"]
 

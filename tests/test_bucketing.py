@@ -161,7 +161,7 @@ def test_waits_sit_at_first_use_and_prefetch_distance_holds(world, prefetch):
 
 
 def _costs_flops(node) -> bool:
-    from fsdp_compile.schedule import _node_flops
+    from fsdp_compile.cost_model import _node_flops
 
     return _node_flops(node) > 0
 

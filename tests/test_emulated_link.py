@@ -22,7 +22,7 @@ _PROBE = textwrap.dedent(
     import torch, torch.distributed as dist
     from fsdp_compile.bench.emulated_link import init_emulated_group
     from fsdp_compile.patterns import CollectiveFacts
-    from fsdp_compile.schedule import NVLINK_GPU, collective_seconds
+    from fsdp_compile.cost_model import NVLINK_GPU, collective_seconds
 
     # A slow link, so that its durations dwarf the machine's own noise: 1 GB/s, 1 ms a step.
     hardware = dataclasses.replace(NVLINK_GPU, link=1e9, latency=1e-3)
@@ -121,7 +121,7 @@ _CUDA_PROBE = textwrap.dedent(
     import torch, torch.distributed as dist
     from fsdp_compile.bench.emulated_link import init_emulated_group
     from fsdp_compile.patterns import CollectiveFacts
-    from fsdp_compile.schedule import NVLINK_GPU, collective_seconds
+    from fsdp_compile.cost_model import NVLINK_GPU, collective_seconds
 
     hardware = dataclasses.replace(NVLINK_GPU, link=1e9, latency=1e-3)
     group = init_emulated_group(hardware, 8)

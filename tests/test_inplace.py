@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_compile import MfsdpBackend, fully_shard
-from fsdp_compile.ops import STRATEGIES
+from fsdp_compile.markers import STRATEGIES
 from harness import full_parameters, max_param_error, one_rank_group, relative_error, spawn, train
 
 STEPS = 3

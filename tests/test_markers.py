@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-import fsdp_compile.ops
+import fsdp_compile.markers
 from fsdp_compile import fully_shard
 from harness import fake_process_group
 
@@ -20,7 +20,7 @@ def test_failing_gather_raises_instead_of_returning_the_shard(monkeypatch):
     def broken(*args, **kwargs):
         raise AttributeError("no such collective")
 
-    monkeypatch.setattr(fsdp_compile.ops, "gathered", broken)
+    monkeypatch.setattr(fsdp_compile.markers, "gathered", broken)
     with fake_process_group(2):
         layer = fully_shard(nn.Linear(4, 4))
         with pytest.raises(RuntimeError, match="gathering .*weight failed: no such collective"):

@@ -45,7 +45,7 @@ import fsdp_compile
 from fsdp_compile import MfsdpBackend, UsageError
 from fsdp_compile.bench.comms import graph_census, profiled_census
 from fsdp_compile.testing.models import Transformer, TransformerConfig, loss_fn
-from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES
+from fsdp_compile.markers import GATHERING_STRATEGIES, STRATEGIES
 from fsdp_compile.patterns import count_collectives
 from harness import (
     EP,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-import fsdp_compile.ops
+import fsdp_compile.markers
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.patterns import (
@@ -92,7 +92,7 @@ def test_gradients_average_in_the_collective_where_the_group_can(regional, monke
     assert {p.reduce_op for p in graph.plan.params} == {"avg"}
     assert _reduce_ops_and_divisions(graph.backward) == ({"avg"}, 0)
     torch._dynamo.reset()
-    monkeypatch.setattr(fsdp_compile.ops, "AVERAGING_BACKENDS", frozenset())  # as on gloo
+    monkeypatch.setattr(fsdp_compile.markers, "AVERAGING_BACKENDS", frozenset())  # as on gloo
     graph = _bf16_step(regional=regional)
     assert {p.reduce_op for p in graph.plan.params} == {"sum"}
     ops, divisions = _reduce_ops_and_divisions(graph.backward)

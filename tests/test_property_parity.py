@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import FusedLinear
-from fsdp_compile.ops import STRATEGIES
+from fsdp_compile.markers import STRATEGIES
 from harness import full_parameters, max_param_error, mean_over_ranks, relative_error, spawn
 
 pytestmark = pytest.mark.multirank

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from fsdp_compile.passes import collective_groups, gather_lifetimes
-from fsdp_compile.schedule import NVLINK_GPU
+from fsdp_compile.cost_model import NVLINK_GPU
 from fsdp_compile.simulate import _graphs, peak_memory, simulate, trace_step
 
 pytestmark = pytest.mark.structure

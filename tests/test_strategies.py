@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fsdp_compile.node_meta import PARAM_ID
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
-from fsdp_compile.ops import STRATEGIES
+from fsdp_compile.markers import STRATEGIES
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, count_collectives
 from harness import (

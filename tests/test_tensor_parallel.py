@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard, shard_info
-from fsdp_compile.ops import GATHERING_STRATEGIES, STRATEGIES
+from fsdp_compile.markers import GATHERING_STRATEGIES, STRATEGIES
 from fsdp_compile.node_meta import BUCKET, MEMBERS
 from fsdp_compile.patterns import ALL_GATHER, ALL_GATHER_OUT, ALL_REDUCE, REDUCE_SCATTER, is_block_call
 from fsdp_compile.testing.models import TransformerConfig, loss_fn

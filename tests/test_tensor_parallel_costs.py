@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_compile
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.patterns import collective_facts, is_collective
-from fsdp_compile.schedule import NVLINK_GPU, collective_schedule, collective_seconds, with_bodies
+from fsdp_compile.cost_model import NVLINK_GPU, collective_schedule, collective_seconds, with_bodies
 from fsdp_compile.simulate import SCHEDULES, simulate
 from harness import fake_process_group
 from test_tensor_parallel import DIM, DP, LAYERS, TP, _batch, _loss, _Model, _parallelized

@@ -27,7 +27,7 @@ from torch.profiler import profile
 
 from fsdp_compile.backend import CompiledGraph
 from fsdp_compile.patterns import GATHER_WHOLE_MEMBERS, collective_facts, is_collective
-from fsdp_compile.schedule import with_bodies
+from fsdp_compile.cost_model import with_bodies
 
 # c10d ops by kind, with the argument that carries the full-size tensor (all-gather output,
 # reduce-scatter input); the list-based ops record no shapes, so their bytes are unknown.
@@ -56,7 +56,7 @@ def _empty_census(counted_by: str) -> dict:
 
 def graph_census(graphs: Iterable[CompiledGraph]) -> dict:
     """Collectives of one step: every compiled graph's forward plus backward, and each repeated
-    block's compiled body once per call the step makes of it (``schedule.with_bodies``: an
+    block's compiled body once per call the step makes of it (``cost_model.with_bodies``: an
     expert all-to-all or tensor parallelism's collectives live in its block's body; NOTE: one
     op per block call).
 

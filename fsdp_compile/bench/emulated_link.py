@@ -4,7 +4,7 @@ On the fake process group a collective returns at once, so a one-device bench me
 compute and memory but never communication. This process group keeps the fake group's data
 semantics (an all-gather repeats this rank's shard, a reduce-scatter keeps its chunk: no data
 moves) and gives every collective the duration the simulator's ring alpha-beta model gives
-it on that link (``fsdp_compile.schedule.collective_seconds``, ``NVLINK_GPU`` or
+it on that link (``fsdp_compile.cost_model.collective_seconds``, ``NVLINK_GPU`` or
 ``INFINIBAND_GPU``), on one link shared in issue order:
 
 - CPU: a collective starts when it is issued or when the link frees, whichever is later;
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from fsdp_compile.patterns import CollectiveFacts
-from fsdp_compile.schedule import NVLINK_GPU, Hardware, collective_seconds
+from fsdp_compile.cost_model import NVLINK_GPU, Hardware, collective_seconds
 from fsdp_compile.simulate import INFINIBAND_GPU
 
 LINKS: dict[str, Hardware] = {"nvlink": NVLINK_GPU, "ib": INFINIBAND_GPU}

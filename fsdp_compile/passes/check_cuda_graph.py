@@ -55,7 +55,7 @@ class CudaGraphIncompatible(CompileUsageError):
 
 # Frames of the marker machinery: a gather's stack ends in the property getter, but the line
 # worth showing is the user's read of the parameter one frame up.
-_MACHINERY = tuple(str(Path(__file__).parents[1] / name) for name in ("gathered_reads.py", "ops.py"))
+_MACHINERY = tuple(str(Path(__file__).parents[1] / name) for name in ("gathered_reads.py", "markers.py"))
 
 
 def _user_line(node: fx.Node) -> str:

@@ -10,7 +10,7 @@ from torch import fx
 from fsdp_compile.node_meta import AMAX, CARRIES, FLOAT8_SCALE, PARAM_ID, UNPACKED
 from fsdp_compile import float8
 from fsdp_compile.fx_utils import call, finish, inline_traced, inserting
-from fsdp_compile.ops import first_rows, gathered, pad_rows, reduced
+from fsdp_compile.markers import first_rows, gathered, pad_rows, reduced
 from fsdp_compile.patterns import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -34,7 +34,7 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class _IntoGraph:
     """Inserts each op of the marker arithmetic at the graph's insert point (NOTE: one marker
-    arithmetic, in fsdp_compile/ops.py)."""
+    arithmetic, in fsdp_compile/markers.py)."""
 
     graph: fx.Graph
 

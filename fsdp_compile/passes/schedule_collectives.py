@@ -230,7 +230,7 @@ def _place_gathers(gathers, rest_index, end, plan: Plan) -> tuple[dict, dict, di
             raise CompileUsageError(
                 f"options['max_inflight_bytes']={bound} is below what graph {plan.graph_name} "
                 f"needs without any prefetch ({peak} bytes of gathered parameters alive while "
-                f"bucket {plan.buckets[group.collective.meta['mfsdp_bucket']].name} is in use): "
+                f"bucket {plan.buckets[group.collective.meta[BUCKET]].name} is in use): "
                 "raise it, or set a smaller options['bucket_mb']."
             )
         issue_slot[group] = previous = start
