@@ -277,10 +277,11 @@ class Plan:
     from saving in any other form than as the input itself."""
     ranks_in_step: bool = True
     """Every rank compiles this graph at the same call: its backend's first compile of the
-    frame, which every rank makes when the step first runs. A recompile may be one rank's
-    alone (its batch padded to a longer sequence, a shorter last batch), while the others run
-    their graphs: it must not add a collective of its own (NOTE: the rank check runs where
-    the ranks compile together, in check_rank_agreement.py)."""
+    frame in its grad mode, which every rank makes when the step first runs and at the first
+    evaluation under ``torch.no_grad()``. A recompile for new shapes may be one rank's alone
+    (its batch padded to a longer sequence, a shorter last batch), while the others run their
+    graphs: it must not add a collective of its own (NOTE: the rank check runs where the
+    ranks compile together, in check_rank_agreement.py)."""
 
     # Passes look a parameter up per marker node: dicts, built on first use (the dataclass
     # is frozen, so they cannot go stale).

@@ -81,25 +81,29 @@ def note_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: str, 
     """Keep what the compile under way is for in ``recompiles`` (a backend's, by frame and
     Dynamo's count of that frame's compiles); warn when Dynamo compiles its frame for the last
     time (NOTE: the recompile limit is said). ``body_suffix`` ends the code names of that
-    backend's repeated blocks' bodies (``MfsdpBackend.frame``). Returns how many times the
-    backend has compiled the frame, this compile included (1 outside a Dynamo compile)."""
+    backend's repeated blocks' bodies (``MfsdpBackend.frame``). Returns whether this is the
+    backend's first compile of the frame in its grad mode (True outside a Dynamo compile):
+    every rank makes such a compile at the same call (NOTE: the rank check runs where the
+    ranks compile together, in check_rank_agreement.py)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     compile_id = torch._guards.CompileContext.current_compile_id()
     if compile_id is None:
-        return 1
+        return True
     tx = InstructionTranslator.current_tx() if torch._guards.TracingContext.try_get() else None
     code = getattr(tx, "f_code", None)
     frame = f"{code.co_name} ({code.co_filename}, line {code.co_firstlineno})" if code else "a frame"
     body, of_backend, rest = frame.partition(f"{body_suffix} ")
     if of_backend:
         frame = f"the repeated blocks' body {body} {rest}"
-    if compile_id.frame_compile_id == 0:  # the frame's first compile since torch.compiler.reset()
-        recompiles[frame].clear()
-    recompiles[frame][compile_id.frame_compile_id] = _recompile(example_inputs)
+    compiles = recompiles[frame]
+    if any(count > compile_id.frame_compile_id for count in compiles):
+        compiles.clear()  # the frame was reset (torch.compiler.reset()) since those compiles
+    this = compiles[compile_id.frame_compile_id] = _recompile(example_inputs)
+    first_of_its_mode = all(c.grad != this.grad for c in compiles.values() if c is not this)
     limit = torch._dynamo.config.recompile_limit
     if compile_id.frame_compile_id == limit - 1:
-        why = _what_compiles_were_for(list(recompiles[frame].values()), limit)
+        why = _what_compiles_were_for(list(compiles.values()), limit)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Each rank compiles for its own batches' shapes, so ranks reach the limit apart.
             why += (
@@ -117,4 +121,4 @@ def note_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: str, 
             "before building it.",
             stacklevel=3,
         )
-    return len(recompiles[frame])
+    return first_of_its_mode

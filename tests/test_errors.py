@@ -183,20 +183,38 @@ class _RankDependentModel(nn.Module):
         return layer(x).sum()
 
 
-def _compile_rank_dependent(rank, world):
+class _RankDependentEvaluation(_RankDependentModel):
+    """Reads ``a`` on every rank while training, a different parameter on rank 0 than elsewhere
+    under ``torch.no_grad()``: the two weights are alike, so gloo would exchange the wrong
+    rows without a word."""
+
+    def forward(self, x):
+        layer = self.a if torch.is_grad_enabled() or torch.distributed.get_rank() == 0 else self.b
+        return layer(x).sum()
+
+
+def _compile_rank_dependent(rank, world, evaluation=False):
     torch.manual_seed(0)
-    model = torch.compile(fully_shard(_RankDependentModel()), backend=MfsdpBackend(compiler="eager"))
+    module = _RankDependentEvaluation() if evaluation else _RankDependentModel()
+    model = torch.compile(fully_shard(module), backend=MfsdpBackend(compiler="eager"))
     try:
         model(torch.randn(2, 4)).backward()
+        if evaluation:  # a recompile every rank makes: the first in its grad mode
+            with torch.no_grad():
+                model(torch.randn(2, 4))
     except ValueError as error:
         return str(error)
     return "no error"
 
 
 @pytest.mark.multirank
-def test_ranks_tracing_different_collectives_all_raise():
-    """A rank-dependent branch is found at compile time, before any collective, on every rank."""
-    messages = spawn(_compile_rank_dependent, 2)
+@pytest.mark.parametrize("evaluation", [False, True], ids=["first-step", "first-evaluation"])
+def test_ranks_tracing_different_collectives_all_raise(evaluation):
+    """A rank-dependent branch is found at compile time, before any collective, on every rank:
+    at the step's first compile, and at the first compile under ``torch.no_grad()`` after
+    training steps that agreed (the ranks recompile together there; a recompile for one rank's
+    own shapes runs no check, test_recompile.py)."""
+    messages = spawn(_compile_rank_dependent, 2, evaluation=evaluation)
     for message in messages:
         assert "ranks traced different collectives" in message, message
 

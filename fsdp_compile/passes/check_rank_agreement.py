@@ -3,15 +3,18 @@
 NOTE: the rank check runs where the ranks compile together
     The check is a collective at compile time, so every rank of the group must run it at the
     same point of the program, before any of the graph's collectives. A backend's first
-    compile of a frame is such a point: the step's first call compiles on every rank. A
-    recompile is not: a rank whose batch came padded to a longer sequence, or whose last
-    batch is shorter, compiles its frame again alone, while the others run the graphs they
-    have, and its check would meet their first gather (gloo aborts on the size mismatch; NCCL
-    hangs or reads the wrong bytes). So the pipeline runs it only for a plan with
-    ``ranks_in_step`` (the backend's first compile of the frame). A recompile gathers what
-    the first compile did, in the same order: shapes change no collective (ranks already
-    differ in detail, and ``schedule_collectives`` orders by what they share; NOTE: the
-    planned order).
+    compile of a frame in a grad mode is such a point: the step's first call, the first
+    evaluation under ``torch.no_grad()``, compile on every rank, and a grad mode is the
+    program's, not a batch's. A recompile in the same grad mode often is not: a rank whose
+    batch came padded to a longer sequence, or whose last batch is shorter, compiles its
+    frame again alone, while the others run the graphs they have, and its check would meet
+    their first gather (gloo aborts on the size mismatch; NCCL hangs or reads the wrong
+    bytes). So the pipeline runs it only for a plan with ``ranks_in_step``. A recompile for
+    shapes gathers what the compile it follows did, in the same order (ranks already differ
+    in detail, and ``schedule_collectives`` orders by what they share; NOTE: the planned
+    order). Not checked, so: a path that differs between ranks only after a recompile in the
+    same grad mode (a turn of gradient sync, ``model.eval()`` with gradients on), and a frame
+    after a graph break that one rank reaches alone.
 """
 
 from __future__ import annotations
