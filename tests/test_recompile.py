@@ -132,15 +132,12 @@ def test_a_rank_that_recompiles_alone_for_its_own_shapes_trains_on_at_parity():
         assert checked[0] and not any(checked[1:]) and len(checked) > 1, (rank, checked)
 
 
-@pytest.mark.structure
-def test_the_compile_that_reaches_the_recompile_limit_says_what_the_compiles_were_for():
-    """Batches padded to their longest sequence and an evaluation under ``torch.no_grad()``
-    after each step, as HF users train: each new length and each grad mode is a compile of the
-    one frame (a size that changes compiles once more with symbolic sizes). The compile that
-    reaches Dynamo's limit (4 here, 8 by default) says so, naming both causes and their fixes,
-    and nothing of other models; so does the repeated blocks' body, a frame of its own."""
+def _limit_warnings(limit: int, evaluate: bool) -> list[str]:
+    """The recompile-limit warnings of a model trained on lengths 8 then 12 (each step, with
+    ``evaluate``, then run under ``torch.no_grad()``) with Dynamo's limit at ``limit``, on the
+    current process group."""
     cfg = TransformerConfig()
-    with one_rank_group(), torch._dynamo.config.patch(recompile_limit=4):
+    with torch._dynamo.config.patch(recompile_limit=limit):
         model = fully_shard(build_model(cfg))
         forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
         with warnings.catch_warnings(record=True) as caught:
@@ -148,9 +145,21 @@ def test_the_compile_that_reaches_the_recompile_limit_says_what_the_compiles_wer
             for step, seq in enumerate((8, 12)):
                 tokens, targets = make_batch(cfg, 2, seq, step, 0)
                 loss_fn(forward(tokens), targets).backward()
-                with torch.no_grad():
-                    forward(tokens)
-    said, body = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+                if evaluate:
+                    with torch.no_grad():
+                        forward(tokens)
+    return [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+
+
+@pytest.mark.structure
+def test_the_compile_that_reaches_the_recompile_limit_says_what_the_compiles_were_for():
+    """Batches padded to their longest sequence and an evaluation under ``torch.no_grad()``
+    after each step, as HF users train: each new length and each grad mode is a compile of the
+    one frame (a size that changes compiles once more with symbolic sizes). The compile that
+    reaches Dynamo's limit (4 here, 8 by default) says so, naming both causes and their fixes,
+    and nothing of other models; so does the repeated blocks' body, a frame of its own."""
+    with one_rank_group():
+        said, body = _limit_warnings(limit=4, evaluate=True)
     # The body's name is its backend's, whatever the process compiled before.
     assert said.startswith("mfsdp: Dynamo compiles forward (")
     assert "compiles the repeated blocks' body _region_0 (" in body, body
@@ -164,16 +173,8 @@ def test_on_several_ranks_the_compile_that_reaches_the_limit_says_the_job_would_
     """Past the limit a rank runs the step uncompiled, issuing other collectives than ranks
     that run it compiled, and each rank compiles for its own batches' shapes: on several ranks
     the warning says the job fails or hangs there, not only that it slows."""
-    cfg = TransformerConfig()
-    with fake_process_group(2), torch._dynamo.config.patch(recompile_limit=2):
-        model = fully_shard(build_model(cfg))
-        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for step, seq in enumerate((8, 12)):
-                tokens, targets = make_batch(cfg, 2, seq, step, 0)
-                loss_fn(forward(tokens), targets).backward()
-    said = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+    with fake_process_group(2):
+        said = _limit_warnings(limit=2, evaluate=False)
     assert said and all("the job fails or hangs there" in s for s in said), said
 
 
