@@ -134,7 +134,7 @@ class CompiledGraph:
     """One graph Dynamo handed the backend, driven through every stage; it keeps the plan and
     the graph each stage produced, for inspection, dumps and tests."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list, options: BackendOptions, ranks_in_step: bool = True) -> None:
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, options: BackendOptions, ranks_in_step: bool) -> None:
         self.plan: Plan = build_plan(gm, example_inputs, options, ranks_in_step)
         self.calls = tuple(call_record(n.args[2]) for n in gm.graph.nodes if is_block_forward(n) or is_block_probe(n))
         """The block calls this graph names, kept by the graph too: one kept for inspection

@@ -53,7 +53,7 @@ def _source_name(node: fx.Node) -> str:
     return ".".join(keys[1:]) if len(keys) > 1 else grapharg.source.name
 
 
-def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, ranks_in_step: bool = True) -> Plan:
+def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, ranks_in_step: bool) -> Plan:
     """Read the sharded parameters a Dynamo graph takes as inputs into a ``Plan``
     (``ranks_in_step``: see ``Plan``).
 
