@@ -49,6 +49,9 @@ ALL_GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+ALL_TO_ALL_AUTOGRAD = torch.ops._c10d_functional_autograd.all_to_all_single.default
+"""``all_to_all_single_autograd`` as torch 2.11's Dynamo records it (2.13's records ALL_TO_ALL);
+AOTAutograd lowers it to ALL_TO_ALL."""
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 SPLIT_GATHERED = torch.ops.fsdp_compile.split_gathered.default
 GATHER_WHOLE_MEMBERS = torch.ops.fsdp_compile.gather_whole_members.default
@@ -103,6 +106,11 @@ def is_all_reduce(node: fx.Node) -> bool:
 
 def is_all_to_all(node: fx.Node) -> bool:
     return _calls(node, ALL_TO_ALL)
+
+
+def is_traced_all_to_all(node: fx.Node) -> bool:
+    """An all-to-all in Dynamo's graph, on any supported torch (see ``ALL_TO_ALL_AUTOGRAD``)."""
+    return is_all_to_all(node) or _calls(node, ALL_TO_ALL_AUTOGRAD)
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -245,7 +253,7 @@ class CollectiveFacts:
         return dict(self.members_by_dtype) or {self.dtype: self.nbytes}
 
 
-def _argument(node: fx.Node, name: str):
+def op_argument(node: fx.Node, name: str):
     """Argument ``name`` of a call to an aten-style op, given by position or keyword."""
     schema = node.target._schema if hasattr(node.target, "_schema") else node.target.default._schema
     index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
@@ -264,9 +272,9 @@ def collective_kind(node: fx.Node) -> CollectiveKind:
 def collective_facts(node: fx.Node) -> CollectiveFacts:
     """Kind, group, world, bytes and dtype of a collective node (see ``CollectiveFacts``)."""
     kind = collective_kind(node)
-    group_name = str(_argument(node, "group_name"))
+    group_name = str(op_argument(node, "group_name"))
     if kind in ("all_gather", "reduce_scatter"):
-        world = int(_argument(node, "group_size"))
+        world = int(op_argument(node, "group_size"))
     else:  # all_reduce and all_to_all name only their group
         world = _resolve_process_group(group_name).size()
     full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]

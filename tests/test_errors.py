@@ -233,3 +233,45 @@ def test_different_batch_sizes_are_not_a_mismatch():
     """Only collectives are compared: activation shapes may differ between ranks."""
     losses = spawn(_compile_uneven_batches, 2)
     assert all(loss > 0 for loss in losses)
+
+
+def _compile_expert_parallel_ragged(rank, world):
+    """Expert parallelism over both ranks, each rank's batch padded to its own length."""
+    from fsdp_compile import expert_mesh
+    from harness import moe_config
+
+    cfg = moe_config(fused=True)
+    model = fully_shard(build_model(cfg), expert_mesh=expert_mesh("cpu", world))
+    tokens, targets = make_batch(cfg, 2, 8 + 2 * rank, 0, rank)
+    try:
+        loss_fn(torch.compile(model, backend=MfsdpBackend(compiler="eager"))(tokens), targets).backward()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_expert_parallel_ranks_routing_different_token_counts_all_raise():
+    """The MoE layer sizes its all-to-all from the local token count: EP ranks whose batches
+    differ in shape would send splits the receivers do not expect (gloo aborts, NCCL hangs or
+    reads the wrong bytes). The step's first compile finds it on every rank, before any
+    collective, and names the fix."""
+    messages = spawn(_compile_expert_parallel_ragged, 2)
+    for message in messages:
+        assert "all-to-all" in message and "one shape" in message, message
+
+
+@pytest.mark.structure
+def test_an_all_to_all_is_refused_only_where_a_rank_is_sent_what_it_does_not_expect():
+    """Each rank's (sent to each rank, expected from each rank) elements per all-to-all: ranks
+    may send each other different sizes (explicit splits) as long as each receives what it is
+    sent; symbolic sizes are not compared."""
+    from fsdp_compile.passes.check_rank_agreement import first_mismatched_exchange
+
+    equal = [[((4, 4), (4, 4))], [((4, 4), (4, 4))]]
+    ragged_but_matching = [[((2, 3), (2, 5))], [((5, 1), (3, 1))]]
+    assert first_mismatched_exchange(equal) == first_mismatched_exchange(ragged_but_matching) == ""
+    assert first_mismatched_exchange([[None], [((9, 9), (9, 9))]]) == ""
+    padded_apart = [[((4, 4), (4, 4)), ((4, 4), (4, 4))], [((4, 4), (4, 4)), ((5, 5), (5, 5))]]
+    said = first_mismatched_exchange(padded_apart)
+    assert said == "all-to-all 1: rank 0 sends rank 1 4 elements, rank 1 expects 5", said

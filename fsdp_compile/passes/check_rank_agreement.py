@@ -15,18 +15,28 @@ NOTE: the rank check runs where the ranks compile together
     order). Not checked, so: a path that differs between ranks only after a recompile in the
     same grad mode (a turn of gradient sync, ``model.eval()`` with gradients on), and a frame
     after a graph break that one rank reaches alone.
+
+NOTE: an all-to-all's sizes are compared, a gather's are not
+    A gather's size is the parameter's, whatever the batch. An all-to-all sends activations:
+    the MoE layer's expert dispatch sends equal splits sized by the local token count
+    (``dispatch_to_experts``), so EP ranks whose batches differ in shape (each padded to its
+    own longest sequence) would send what their peers do not expect to receive. Each rank
+    sends what each peer expects, element for element, or all raise. Only static sizes are
+    compared: a symbolic size (``dynamic=True``, or splits read from a tensor) may differ
+    between ranks by design, and is left out.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch.distributed as dist
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fsdp_compile.errors import CompileUsageError
-from fsdp_compile.patterns import is_unshard, marker_param_id
+from fsdp_compile.patterns import is_traced_all_to_all, is_unshard, marker_param_id, op_argument
 from fsdp_compile.plan import Plan
 
 
@@ -49,30 +59,84 @@ def collective_fingerprint(gm: fx.GraphModule, plan: Plan, group_name: str) -> s
     return hashlib.sha256(repr(sequence).encode()).hexdigest()[:16]
 
 
+def all_to_all_elements(gm: fx.GraphModule, group_name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """Each all-to-all on ``group_name``, in order: the elements this rank sends to each rank
+    of the group and expects from each, or None where a size is symbolic (NOTE: an
+    all-to-all's sizes are compared, a gather's are not)."""
+    exchanges = []
+    for node in gm.graph.nodes:
+        if not is_traced_all_to_all(node) or str(op_argument(node, "group_name")) != group_name:
+            continue
+        sent = node.args[0].meta.get("example_value", node.args[0].meta.get("val"))
+        received_rows, sent_rows = op_argument(node, "output_split_sizes"), op_argument(node, "input_split_sizes")
+        sizes = [*sent.shape, *received_rows, *sent_rows]
+        if not all(isinstance(size, int) for size in sizes):
+            exchanges.append(None)
+            continue
+        row = math.prod(sent.shape[1:])
+        exchanges.append((tuple(n * row for n in sent_rows), tuple(n * row for n in received_rows)))
+    return exchanges
+
+
+def first_mismatched_exchange(exchanges: list[list]) -> str:
+    """The first all-to-all (index in the graph) at which a rank sends another rank other than
+    what that rank expects, said with both sizes; "" when none does. ``exchanges[r]`` is rank
+    r's ``all_to_all_elements``."""
+    for index, per_rank in enumerate(zip(*exchanges)):
+        if any(exchange is None for exchange in per_rank):
+            continue
+        for source, (sends, _) in enumerate(per_rank):
+            for target, (_, expects) in enumerate(per_rank):
+                if sends[target] != expects[source]:
+                    return (
+                        f"all-to-all {index}: rank {source} sends rank {target} {sends[target]} "
+                        f"elements, rank {target} expects {expects[source]}"
+                    )
+    return ""
+
+
 def check_rank_agreement(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards (when it returns) every rank of the parameters' group compiled a graph with the
-    same sequence of parameter collectives. Otherwise every rank raises ``CompileUsageError``
+    same sequence of parameter collectives, and in each group its all-to-alls of static sizes
+    send each rank what that rank expects. Otherwise every rank raises ``CompileUsageError``
     naming the ranks that differ, instead of hanging in the first mismatched collective.
 
     Costs one small ``all_gather_object`` per compiled graph, before any of its collectives.
     """
-    groups = {p.sharding.group_name for p in plan.params}
-    if not groups or not dist.is_initialized():
+    if not dist.is_initialized():
         return gm
+    groups = {p.sharding.group_name for p in plan.params}
+    groups |= {str(op_argument(n, "group_name")) for n in gm.graph.nodes if is_traced_all_to_all(n)}
+    # Every rank walks its groups in one global order: two groups never wait on each other.
     for group_name in sorted(groups):
         group = _resolve_process_group(group_name)
         if group.size() == 1:
             continue
-        mine = collective_fingerprint(gm, plan, group_name)
-        fingerprints: list[str] = [""] * group.size()
-        dist.all_gather_object(fingerprints, mine, group=group)
-        if len(set(fingerprints)) > 1:
-            by_rank = ", ".join(f"rank {r}: {f}" for r, f in enumerate(fingerprints))
+        mine = (collective_fingerprint(gm, plan, group_name), all_to_all_elements(gm, group_name))
+        gathered: list = [None] * group.size()
+        dist.all_gather_object(gathered, mine, group=group)
+        fingerprints = [fingerprint for fingerprint, _ in gathered]
+        exchanges = [exchange for _, exchange in gathered]
+        counts = [len(exchange) for exchange in exchanges]
+        if len(set(fingerprints)) > 1 or len(set(counts)) > 1:
+            said = [f"{f}, {n} all-to-alls" if len(set(counts)) > 1 else f for f, n in zip(fingerprints, counts)]
+            by_rank = ", ".join(f"rank {r}: {f}" for r, f in enumerate(said))
             raise CompileUsageError(
                 f"ranks traced different collectives for graph {plan.graph_name} ({by_rank}): "
                 "the forward takes a rank-dependent path (a branch on the rank, on data that "
                 "differs between ranks, or modules used on some ranks only). Make every rank "
                 "read the same parameters in the same order; every rank raises this error "
                 "instead of hanging in the first mismatched collective."
+            )
+        mismatch = first_mismatched_exchange(exchanges)
+        if mismatch:
+            raise CompileUsageError(
+                f"ranks of group {group_name} would send each other sizes the receivers do not expect in "
+                f"graph {plan.graph_name} ({mismatch}): an all-to-all of equal splits, as the MoE layer's "
+                "dispatch to its experts, is sized by the local batch, and these ranks' batches "
+                "differ in shape (each padded to its own longest sequence, or a shorter last batch). "
+                "Give every rank of an expert-parallel group batches of one shape (pad to a fixed "
+                "length, drop the last partial batch); every rank raises this error instead of "
+                "aborting or hanging in the all-to-all."
             )
     return gm
