@@ -235,12 +235,14 @@ def test_different_batch_sizes_are_not_a_mismatch():
     assert all(loss > 0 for loss in losses)
 
 
-def _compile_expert_parallel_ragged(rank, world):
+def _compile_expert_parallel_ragged(rank, world, n_layers):
     """Expert parallelism over both ranks, each rank's batch padded to its own length."""
+    from dataclasses import replace
+
     from fsdp_compile import expert_mesh
     from harness import moe_config
 
-    cfg = moe_config(fused=True)
+    cfg = replace(moe_config(fused=True), n_layers=n_layers)
     model = fully_shard(build_model(cfg), expert_mesh=expert_mesh("cpu", world))
     tokens, targets = make_batch(cfg, 2, 8 + 2 * rank, 0, rank)
     try:
@@ -251,12 +253,14 @@ def _compile_expert_parallel_ragged(rank, world):
 
 
 @pytest.mark.multirank
-def test_expert_parallel_ranks_routing_different_token_counts_all_raise():
+@pytest.mark.parametrize("n_layers", [1, 2], ids=["one-layer", "repeated-blocks"])
+def test_expert_parallel_ranks_routing_different_token_counts_all_raise(n_layers):
     """The MoE layer sizes its all-to-all from the local token count: EP ranks whose batches
     differ in shape would send splits the receivers do not expect (gloo aborts, NCCL hangs or
-    reads the wrong bytes). The step's first compile finds it on every rank, before any
-    collective, and names the fix."""
-    messages = spawn(_compile_expert_parallel_ragged, 2)
+    reads the wrong bytes). The first compile finds it on every rank, before any collective,
+    and names the fix: in the step's graph for one layer, in the blocks' body (its first
+    compile, at the step's first call) for repeated layers."""
+    messages = spawn(_compile_expert_parallel_ragged, 2, n_layers=n_layers)
     for message in messages:
         assert "all-to-all" in message and "one shape" in message, message
 
