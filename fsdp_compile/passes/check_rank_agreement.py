@@ -101,7 +101,7 @@ def check_rank_agreement(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     send each rank what that rank expects. Otherwise every rank raises ``CompileUsageError``
     naming the ranks that differ, instead of hanging in the first mismatched collective.
 
-    Costs one small ``all_gather_object`` per compiled graph, before any of its collectives.
+    Costs one small ``all_gather_object`` per group, before any of the graph's collectives.
     """
     if not dist.is_initialized():
         return gm
