@@ -59,29 +59,29 @@ def collective_fingerprint(gm: fx.GraphModule, plan: Plan, group_name: str) -> s
     return hashlib.sha256(repr(sequence).encode()).hexdigest()[:16]
 
 
-def all_to_all_elements(gm: fx.GraphModule, group_name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
-    """Each all-to-all on ``group_name``, in order: the elements this rank sends to each rank
-    of the group and expects from each, or None where a size is symbolic (NOTE: an
-    all-to-all's sizes are compared, a gather's are not)."""
-    exchanges = []
+def all_to_all_elements(gm: fx.GraphModule) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]] | None]]:
+    """Each group's all-to-alls, in graph order: the elements this rank sends to each rank of
+    the group and expects from each, or None where a size is symbolic (NOTE: an all-to-all's
+    sizes are compared, a gather's are not)."""
+    exchanges: dict[str, list] = {}
     for node in gm.graph.nodes:
-        if not is_traced_all_to_all(node) or str(op_argument(node, "group_name")) != group_name:
+        if not is_traced_all_to_all(node):
             continue
         sent = node.args[0].meta.get("example_value", node.args[0].meta.get("val"))
         received_rows, sent_rows = op_argument(node, "output_split_sizes"), op_argument(node, "input_split_sizes")
-        sizes = [*sent.shape, *received_rows, *sent_rows]
-        if not all(isinstance(size, int) for size in sizes):
-            exchanges.append(None)
+        of_group = exchanges.setdefault(str(op_argument(node, "group_name")), [])
+        if not all(isinstance(size, int) for size in (*sent.shape, *received_rows, *sent_rows)):
+            of_group.append(None)
             continue
         row = math.prod(sent.shape[1:])
-        exchanges.append((tuple(n * row for n in sent_rows), tuple(n * row for n in received_rows)))
+        of_group.append((tuple(n * row for n in sent_rows), tuple(n * row for n in received_rows)))
     return exchanges
 
 
 def first_mismatched_exchange(exchanges: list[list]) -> str:
     """The first all-to-all (index in the graph) at which a rank sends another rank other than
     what that rank expects, said with both sizes; "" when none does. ``exchanges[r]`` is rank
-    r's ``all_to_all_elements``."""
+    r's ``all_to_all_elements`` of one group."""
     for index, per_rank in enumerate(zip(*exchanges)):
         if any(exchange is None for exchange in per_rank):
             continue
@@ -105,14 +105,14 @@ def check_rank_agreement(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """
     if not dist.is_initialized():
         return gm
-    groups = {p.sharding.group_name for p in plan.params}
-    groups |= {str(op_argument(n, "group_name")) for n in gm.graph.nodes if is_traced_all_to_all(n)}
+    exchanges_by_group = all_to_all_elements(gm)
+    groups = {p.sharding.group_name for p in plan.params} | exchanges_by_group.keys()
     # Every rank walks its groups in one global order: two groups never wait on each other.
     for group_name in sorted(groups):
         group = _resolve_process_group(group_name)
         if group.size() == 1:
             continue
-        mine = (collective_fingerprint(gm, plan, group_name), all_to_all_elements(gm, group_name))
+        mine = (collective_fingerprint(gm, plan, group_name), exchanges_by_group.get(group_name, []))
         gathered: list = [None] * group.size()
         dist.all_gather_object(gathered, mine, group=group)
         fingerprints = [fingerprint for fingerprint, _ in gathered]
