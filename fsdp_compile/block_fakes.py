@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
-from fsdp_compile.block_runtime import autocast_as, autograd_inside, body_weights
+from fsdp_compile.block_runtime import autocast_as, autograd_inside, body_weights, transforms_inside
 from fsdp_compile.compat import compiling
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
@@ -241,7 +241,7 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
     count = len(inputs)
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     try:
-        with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), forward:
+        with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), transforms_inside(), forward:
             output = call.body(
                 call.block(), call.layout, call.recipe.key, side, *leaves[:count], *call.leaves(leaves[count:], stand_ins)
             )

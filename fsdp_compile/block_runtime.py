@@ -110,21 +110,38 @@ class PendingGraphs:
 
 
 @contextlib.contextmanager
+def _dispatch_keys_back(keys: tuple) -> Iterator[None]:
+    """The dispatch ``keys`` that the dispatcher excludes inside a custom op's kernel
+    (everything above the Python key, as for a ``__torch_dispatch__`` handler) active again
+    for the block's Python run there."""
+    excluded = [k for k in keys if torch._C._dispatch_tls_is_dispatch_key_excluded(k)]
+    for key in excluded:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        for key in excluded:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, True)
+
+
+@contextlib.contextmanager
 def autograd_inside() -> Iterator[None]:
     """Autograd recorded inside a custom op's kernel: the dispatcher runs kernels below the
     autograd keys, which it excludes for the call; the body's frame needs them back."""
-    keys = [
-        k for k in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
-        if torch._C._dispatch_tls_is_dispatch_key_excluded(k)
-    ]
-    for key in keys:
-        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
-    try:
+    with _dispatch_keys_back((torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)):
         with torch.enable_grad():
             yield
-    finally:
-        for key in keys:
-            torch._C._dispatch_tls_set_dispatch_key_excluded(key, True)
+
+
+def transforms_inside() -> contextlib.AbstractContextManager:
+    """torch.func's transforms (``vmap``) usable inside a custom op's kernel: their keys are
+    excluded there too, and a block may call one (HF's Mamba layers scan with
+    ``associative_scan``, which maps its combine function with ``vmap`` on the CPU)."""
+    keys = torch._C.DispatchKey
+    return _dispatch_keys_back((
+        keys.FuncTorchDynamicLayerFrontMode, keys.FuncTorchDynamicLayerBackMode, keys.FuncTorchBatched,
+        keys.FuncTorchVmapMode, keys.FuncTorchGradWrapper,
+    ))
 
 
 def _slot(weight: Tensor) -> Tensor:
@@ -268,7 +285,7 @@ def run_forward(
     token = token_like([*weights, *tensors])
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     if not call.train:
-        with torch.no_grad(), autocast_as(call.autocast):
+        with torch.no_grad(), autocast_as(call.autocast), transforms_inside():
             output = frame(
                 block, call.layout, call.recipe.key, side, *body_weights(call, weights, copied_out), *call.leaves(tensors, stand_ins)
             )
@@ -277,7 +294,7 @@ def run_forward(
     slots = [_slot(w) for w in body_weights(call, weights, copied_out)]
     inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
     with autograd_inside():
-        with autocast_as(call.autocast):
+        with autocast_as(call.autocast), transforms_inside():
             output = frame(block, call.layout, call.recipe.key, side, *slots, *call.leaves(inputs, stand_ins))
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
     _release(slots)

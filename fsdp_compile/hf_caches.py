@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "is_cache",
     "cache_empty_at",
+    "unanswered_layer",
     "stand_in_spec",
     "is_stand_in_spec",
     "spec_layer",
@@ -39,17 +40,47 @@ def is_cache(value: object) -> bool:
 
 def cache_empty_at(cache: Any, layers: tuple[int, ...]) -> bool:
     """Whether ``cache`` is one the stand-in can take the place of (HF's ``DynamicCache``, or an
-    encoder-decoder pair of them) holding nothing yet for ``layers`` (traced in the step: HF's
-    own accessors, whose answers Dynamo guards on)."""
+    encoder-decoder pair of them, with layers of the kinds it answers for at ``layers``)
+    holding nothing yet for ``layers`` (traced in the step: HF's own accessors, whose answers
+    Dynamo guards on)."""
+    parts = _dynamic_parts(cache)
+    if parts is None or unanswered_layer(cache, layers) is not None:
+        return False
+    if len(parts) == 2:
+        return all(_holds_nothing(parts[0], layer) and not cache.is_updated.get(layer) for layer in layers)
+    return all(_holds_nothing(cache, layer) for layer in layers)
+
+
+def unanswered_layer(cache: Any, layers: tuple[int, ...]) -> str | None:
+    """The class of ``cache``'s layer at ``layers`` that the stand-in does not answer for, if
+    any: HF's layers of linear attention and state-space models (Qwen3.5's, Qwen3-Next's,
+    Mamba's, Falcon-H1's and other hybrids') and of a sparse attention's indexer
+    (DeepSeek-V3.2's) take calls of their own (``update_conv_state``, ``update_indexer``...),
+    whose answers HF's layer computes from its state; the stand-in answers ``update`` alone."""
     caches = _cache_utils()
-    # Exactly HF's classes: a subclass has methods of its own (MiniMax's linear-attention
-    # cache), which the stand-in does not answer.
-    if type(cache) is caches.EncoderDecoderCache:
-        parts = (cache.self_attention_cache, cache.cross_attention_cache)
-        return all(type(part) is caches.DynamicCache for part in parts) and all(
-            _holds_nothing(cache.self_attention_cache, layer) and not cache.is_updated.get(layer) for layer in layers
-        )
-    return type(cache) is caches.DynamicCache and all(_holds_nothing(cache, layer) for layer in layers)
+    answered = tuple(getattr(caches, name) for name in _ANSWERED_LAYERS if hasattr(caches, name))
+    for part in _dynamic_parts(cache) or ():
+        for layer in layers:
+            # A layer not made yet is made as a DynamicLayer (a cache built without a config).
+            if layer < len(part.layers) and type(part.layers[layer]) not in answered:
+                return type(part.layers[layer]).__name__
+    return None
+
+
+_ANSWERED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer")
+"""HF's cache layers the stand-in answers for while they hold nothing: ``update`` returns the
+states it is given, ``get_seq_length`` 0 (``DummyLayer``, a layer reusing earlier layers'
+keys and values, holds none)."""
+
+
+def _dynamic_parts(cache: Any) -> tuple | None:
+    """The ``DynamicCache`` s the stand-in takes the place of: ``cache`` itself, or an
+    encoder-decoder cache's two parts; None for a cache of another class. Exactly HF's
+    classes: a subclass has methods of its own (MiniMax's linear-attention cache), which the
+    stand-in does not answer."""
+    caches = _cache_utils()
+    parts = (cache.self_attention_cache, cache.cross_attention_cache) if type(cache) is caches.EncoderDecoderCache else (cache,)
+    return parts if all(type(part) is caches.DynamicCache for part in parts) else None
 
 
 def _holds_nothing(cache: Any, layer: int) -> bool:

@@ -100,15 +100,21 @@ def _region_forward(self: nn.Module, *args, **kwargs):
         sizes += (len(values[at]),)
         leaves = leaves[:at] + values[at] + leaves[at + 1 :]
     is_tensor = tuple(map(isinstance, leaves, itertools.repeat(torch.Tensor)))
-    given, stood_in = leaves, True
+    given, stood_in, said = leaves, True, False
     if any(map(hf_caches.is_cache, leaves)):  # see NOTE: HF caches in a repeated block
-        leaves, stood_in = stand_in_leaves(leaves, layers_of(self._mfsdp_region_key))
+        block_layers = layers_of(self._mfsdp_region_key)
+        leaves, stood_in = stand_in_leaves(leaves, block_layers)
+        if not stood_in and torch.compiler.is_compiling():
+            for leaf in given:
+                if hf_caches.is_cache(leaf) and (kind := hf_caches.unanswered_layer(leaf, block_layers)):
+                    _say_cache_layer_inline(type(self).__name__, type(leaf).__name__, kind)
+                    said = True
     layout, tensor_at, constant_at = call_layout(len(args), tuple(kwargs), len(gathered), opened, sizes, is_tensor)
     constants = tuple(map(operator.getitem, itertools.repeat(leaves), constant_at))
     # An argument no constant can stand for (an object of the user's) cannot reach the body,
     # and Dynamo would give up on the frame holding the layer loop: the call is traced inline.
     passable = all(map(_passable, constants))
-    if not passable and torch.compiler.is_compiling():
+    if not passable and not said and torch.compiler.is_compiling():
         _say_inline(type(self).__name__, _first_unpassable(tuple(map(type, constants))))
     if any(map(isinstance, leaves, itertools.repeat(DTensor))):
         passable = False
@@ -194,6 +200,21 @@ def _say_inline(block: str, argument: str) -> None:
         "HF's DynamicCache and EncoderDecoderCache go through): each such call is traced "
         "inline in the step, as with options={'regional': False}, and compile time grows with "
         "depth. Pass the values the block reads from it instead (tensors or constants).",
+        stacklevel=2,
+    )
+
+
+@torch._dynamo.assume_constant_result
+def _say_cache_layer_inline(block: str, cache: str, layer: str) -> None:
+    """Said once per block class and cache layer class (Python's warnings keep the first)."""
+    warnings.warn(
+        f"a repeated {block} is called with HF's {cache} holding a {layer} for its layer, "
+        "whose calls mfsdp cannot hand to the block's compiled body (it hands over a cache's keys and values "
+        "only): each such call is traced inline in the step, as with "
+        "options={'regional': False}, and compile time grows with depth. To train, call the "
+        "model with use_cache=False (or set model.config.use_cache = False before compiling): "
+        "HF then builds no cache, which training does not read, and each layer is one call of "
+        "the compiled body.",
         stacklevel=2,
     )
 

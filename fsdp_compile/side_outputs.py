@@ -31,7 +31,12 @@ NOTE: HF caches in a repeated block
     stand-in never reads the layer it is told: Dynamo would specialise the body on it, one
     compile per layer. A cache that already holds states for the block (generation after its
     first step) makes the call run inline, as ``regional=False`` would, and so does a cache
-    of another class (MiniMax's adds linear-attention state and methods the stand-in lacks).
+    of another class (MiniMax's adds linear-attention state and methods the stand-in lacks)
+    or one holding, for the block, a layer of a kind the stand-in does not answer for
+    (transformers 5.25's linear-attention, state-space and indexer layers take calls of their
+    own, ``update_conv_state`` and the like, whose answers HF computes from the layer's
+    state; ``hf_caches.unanswered_layer``). Those two are said, the last with
+    ``use_cache=False`` as the fix: training reads no cache.
 """
 
 from __future__ import annotations

@@ -835,6 +835,85 @@ def test_a_cache_of_another_class_is_traced_inline_and_said_so():
         assert torch.equal(grads[name], p.grad), name
 
 
+def _hybrid_config(family: str):
+    """A model whose HF cache holds linear-attention or state-space layers: Qwen3.5's three
+    gated-delta-net layers then one full-attention layer, two of Falcon-H1's
+    Mamba-beside-attention layers."""
+    llama_like = dict(
+        vocab_size=VOCAB, max_position_embeddings=2 * SEQ, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
+    )
+    if family == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**llama_like)
+    return transformers.FalconH1Config(**{**llama_like, "num_hidden_layers": 2})
+
+
+def _eager_and_compiled(model: torch.nn.Module, **inputs) -> tuple:
+    """The model's loss and gradients eagerly, and a copy's sharded and compiled on one gloo
+    rank (the eager runner): (eager loss, eager grads, compiled loss, compiled grads, the
+    compile's backend)."""
+    compiled = copy.deepcopy(model)
+    expected = model(**inputs).loss
+    expected.backward()
+    with one_rank_group():
+        backend = MfsdpBackend(compiler="eager")
+        loss = torch.compile(fully_shard(compiled), backend=backend)(**inputs).loss
+        loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in compiled.named_parameters()}
+    return expected, {n: p.grad for n, p in model.named_parameters()}, loss, grads, backend
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1"])
+def test_a_cache_holding_linear_attention_layers_is_traced_inline_and_said_with_use_cache_false(family):
+    """transformers 5.25's ``DynamicCache`` holds a linear-attention layer for each of
+    Qwen3.5's gated-delta-net layers and a Mamba-beside-attention one for Falcon-H1's, whose
+    own calls (``update_conv_state``, ``has_previous_state``) the body's stand-in does not
+    answer. Before, HF's default call (``use_cache=True``) failed to compile
+    (``'DynamicStandIn' object has no attribute 'layers'``). Now such a layer is traced
+    inline, said once with the fix, at eager's loss and gradients; with ``use_cache=False``
+    every layer is one call of the compiled body, unsaid (one gloo rank)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_hybrid_config(family)).train()
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    kind = "LinearAttentionLayer" if family == "qwen3_5" else "LinearAttentionAndFullAttentionLayer"
+    with pytest.warns(UserWarning, match=f"with HF's DynamicCache holding a {kind} for its layer.*use_cache=False"):
+        expected, expected_grads, loss, grads, backend = _eager_and_compiled(model, input_ids=tokens, labels=tokens)
+    # Qwen3.5's attention layer keeps its body; the linear-attention ones are inline.
+    assert _block_calls(backend) == (1 if family == "qwen3_5" else 0)
+    assert relative_error(loss, expected) < 1e-6
+    assert all(relative_error(grads[n], g) < 1e-5 for n, g in expected_grads.items())
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expected, expected_grads, loss, grads, backend = _eager_and_compiled(
+            model, input_ids=tokens, labels=tokens, use_cache=False
+        )
+    assert _block_calls(backend) == model.config.num_hidden_layers
+    assert relative_error(loss, expected) < 1e-6
+    assert all(relative_error(grads[n], g) < 1e-5 for n, g in expected_grads.items())
+
+
+@pytest.mark.structure
+def test_a_mamba_layer_whose_scan_maps_with_vmap_is_one_body_for_all_layers():
+    """Traced, HF's Mamba layers scan with torch's ``associative_scan``, which maps its
+    combine function with ``vmap`` on the CPU; inside the block op's kernels the dispatcher
+    keeps torch.func's keys off, and the body's fake run and first compile failed there
+    ("NYI: querying is_contiguous inside of vmap"). Now every layer is one call of the
+    compiled body, at eager's loss and gradients (eager scans with a Python loop: the sums
+    differ in order; one gloo rank)."""
+    config = transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    expected, expected_grads, loss, grads, backend = _eager_and_compiled(model, input_ids=tokens, labels=tokens)
+    assert _block_calls(backend) == 2
+    assert relative_error(loss, expected) < 1e-6
+    assert all(relative_error(grads[n], g) < 1e-5 for n, g in expected_grads.items())
+
+
 @pytest.mark.structure
 @pytest.mark.parametrize("regional", [False, True], ids=["inline", "regional"])
 def test_gemma4_s_default_call_with_kv_sharing_keeps_one_graph_and_eager_arithmetic(regional):
