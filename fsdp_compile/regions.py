@@ -39,7 +39,7 @@ import itertools
 import operator
 import warnings
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import torch
@@ -219,6 +219,17 @@ def _say_cache_layer_inline(block: str, cache: str, layer: str) -> None:
     )
 
 
+def _say_shared_inline(block: str, parameter: str) -> None:
+    """Said once per block class and parameter (Python's warnings keep the first)."""
+    warnings.warn(
+        f"{parameter!r} of the repeated {block} blocks is also held outside each block (a "
+        "weight shared between layers): a block's compiled body takes only weights of "
+        "its own, so these blocks are traced inline in the step, as with "
+        "options={'regional': False}, at eager's results, and compile time grows with depth.",
+        stacklevel=3,
+    )
+
+
 def _say_tensor_parallel_inline(block: str, module: str) -> None:
     """Said once per block class (Python's warnings keep the first)."""
     warnings.warn(
@@ -313,8 +324,8 @@ _REGION_CLASSES: dict[type, type] = {}
 
 def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
     """The block's sharded parameters by owner, grouped into flats; None when the block
-    cannot be one body: a parameter not sharded by fully_shard, one shared with a module
-    outside the block, a float8 weight, or a module with tensor parallelism's hooks and
+    cannot be one body: a parameter not sharded by fully_shard, one shared between layers
+    (``shared``: held outside the block, or reached from several blocks; said), a float8 weight, or a module with tensor parallelism's hooks and
     others."""
     owners, slot_params, path_of = defaultdict(list), [], {}
     for path, owner in block.named_modules():
@@ -325,11 +336,14 @@ def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
             if param is None:
                 continue
             info = shard_info(param)
+            if info is not None and id(param) in shared:
+                _say_shared_inline(type(block).__name__, f"{path}.{name}" if path else name)
+                return None
             # A float8 weight is read as torchao's Float8TrainingTensor, which the float8 cast
             # makes after the gather; a block's call takes plain tensors only (a subclass
             # input would need the op to be one torchao's dispatch knows): such a block is
             # traced inline, as with regional=False.
-            if info is None or id(param) in shared or info.float8 is not None:
+            if info is None or info.float8 is not None:
                 return None
             owners[path].append(name)
             slot_params.append(param)
@@ -406,10 +420,14 @@ def install_regions(root: nn.Module) -> None:
         for child in container.children():
             by_class[getattr(type(child), "_mfsdp_region_base", type(child))].append(child)
         for blocks in (b for b in by_class.values() if len(b) > 1):
-            for block in blocks:
+            # A weight shared between layers: held by a module outside the block, or reached
+            # from several of the blocks (one module every layer holds).
+            own = [{id(p) for m in block.modules() for p in m._parameters.values()} for block in blocks]
+            in_blocks = Counter(p for params in own for p in params)
+            for block, params in zip(blocks, own):
                 members = {id(m) for m in block.modules()}
                 claimed |= members
-                shared = {p for m in block.modules() for p in map(id, m._parameters.values()) if holders[p] - members}
+                shared = {p for p in params if holders[p] - members or in_blocks[p] > 1}
                 layout = None if is_region(block) else _layout(block, shared)
                 if layout is not None:
                     _make_region(block, layout, paths[id(block)])

@@ -10,7 +10,9 @@ for layer 0 with its value baked in is off by far more than rounding.
 
 from __future__ import annotations
 
+import copy
 import gc
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -173,6 +175,60 @@ def test_hf_gradient_checkpointing_compiles_the_step_without_a_graph_break(regio
         assert len(calls) == 3 and len(bodies) == 1
     else:
         assert not calls
+
+
+class _LayerWithSharedMixer(nn.Module):
+    def __init__(self, dim: int, shared: nn.Module) -> None:
+        super().__init__()
+        self.own = nn.Linear(dim, dim)
+        self.shared = shared  # every layer holds the same module (Zamba2's shared transformer)
+
+    def forward(self, x):
+        return x + torch.tanh(self.own(x)) + self.shared(x)
+
+
+class _SharedMixerNet(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.mixer = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(_LayerWithSharedMixer(dim, self.mixer) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.structure
+def test_layers_sharing_a_weight_with_modules_outside_them_are_traced_inline_and_said_so():
+    """Layers that all hold one module (weight-shared layers; Zamba2's hybrid layers hold
+    one shared transformer, also held outside them): a body takes only weights of its own.
+    Before, each such layer became a region with the shared weight in every layer's flat
+    buffer, moved there once per layer, and the compile failed ("no longer holds its shard
+    in its block's flat buffer (was it swapped ...?)"); Zamba2's were traced inline unsaid.
+    Now they are traced inline, ``fully_shard`` says so once naming the weight, and the step
+    computes eager's loss and gradients (one gloo rank)."""
+    torch.manual_seed(0)
+    model = _SharedMixerNet()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    expected = reference(x)
+    expected.backward()
+    with one_rank_group():
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("default")  # Python's: a message once per place
+            fully_shard(model)
+        said = [str(w.message) for w in said]
+        assert len(said) == 1 and said[0].startswith("'shared.weight' of the repeated _LayerWithSharedMixer blocks"), said
+        assert not any(is_region(layer) for layer in model.layers)
+        backend = MfsdpBackend(compiler="eager")
+        loss = torch.compile(model, backend=backend)(x)
+        loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    assert not any(_calls(graph.forward) for graph in backend.graphs)
+    assert relative_error(loss, expected) < 1e-6
+    for name, p in reference.named_parameters():
+        assert relative_error(grads[name], p.grad) < 1e-6, name
 
 
 @pytest.mark.structure
