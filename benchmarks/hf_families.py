@@ -36,7 +36,8 @@ FAMILIES = (
     "llama,mistral,qwen2,qwen3,gemma,gemma2,gemma3_text,gemma4_text,phi,phi3,olmo,olmo2,olmo3,granite,"
     "starcoder2,gpt_neox,cohere,cohere2,stablelm,smollm3,glm,glm4,helium,ministral,exaone4,seed_oss,arcee,"
     "internlm3,ernie4_5,nemotron,persimmon,opt,gpt_bigcode,gpt2,biogpt,lfm2,nanochat,bitnet,diffllama,"
-    "mixtral,qwen2_moe,qwen3_moe,olmoe,granitemoe,phimoe,glm4_moe,llama4_text,minimax,jetmoe,gpt_oss"
+    "mixtral,qwen2_moe,qwen3_moe,olmoe,granitemoe,phimoe,glm4_moe,llama4_text,minimax,jetmoe,gpt_oss,"
+    "qwen3_5_text,qwen3_next,falcon_h1,nemotron_h,olmo_hybrid,mamba,falcon_mamba"
 )
 ENCODER_DECODER = "t5,mt5,umt5,bart,mbart,pegasus,marian,blenderbot,blenderbot-small,m2m_100,plbart,led,bigbird_pegasus"
 """Sequence-to-sequence families (``--encoder-decoder``): labels feed the decoder."""
