@@ -63,11 +63,28 @@ NOTE: a flat's copies in the block call
       FSDP2 frees the last reduce-scatter's input before packing the next one.
     The copies are the kernels the body ran before, once per forward and once per backward,
     and the body still saves its weights only as its inputs (``reshard``).
+
+NOTE: float8 weights in a block call
+    A float8 weight (NOTE: float8 gathers, in float8.py) reaches its linear as torchao's
+    ``Float8TrainingTensor``, made in the step's graph after the gather, where the gather and
+    the cast are lowered into a float8 all-gather of the cast shard. The block call is an op of
+    plain tensors: for that subclass the ops here have a rule of their own
+    (``register_torch_dispatch``, given once a region holds a float8 weight) that hands the op
+    the tensor's float8 data and scale in its place, so the step's graph holds the float8
+    gather feeding the block call, and the op's autograd rule, above the subclass, gives the
+    weight its gradient in the weight's dtype, which the cast passes straight to the gather.
+    Inside, the body reads the weight as a ``Float8TrainingTensor`` of the two again
+    (``float8.float8_from_parts``). Its gradient cannot go to the float8 data (autograd would
+    cast it to float8), so it goes to a leaf of the weight's dtype and shape whose strides are
+    all 0 (``carrier``): that leaf's gradient is the one ``block_backward`` returns for the
+    weight. The body saves the data and scale only as its slots (the step gathers them again
+    for the backward), as any gathered weight.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -79,13 +96,17 @@ from fsdp_compile.block_runtime import (
     body_weights,
     generator_states,
     generators_at,
+    graded_like,
     packed_grads,
     run_backward,
     run_forward,
     token_like,
 )
 
-__all__ = ["BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE", "block_calls_keep_their_buffers"]
+__all__ = [
+    "BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE", "block_calls_keep_their_buffers",
+    "block_ops_take_float8_weights",
+]
 
 
 @torch.library.custom_op("fsdp_compile::block_forward", mutates_args=())
@@ -169,7 +190,8 @@ def block_backward(
 
 @block_backward.register_fake
 def _(token, weights, tensors, grads, call, copied_out=False) -> list[Tensor]:
-    return [torch.empty_like(t) for t in (*body_weights(call_record(call), weights, copied_out), *tensors)]
+    graded = graded_like(call_record(call), body_weights(call_record(call), weights, copied_out))
+    return [*graded, *map(torch.empty_like, tensors)]
 
 
 def _save(ctx, inputs, output) -> None:
@@ -210,6 +232,23 @@ BLOCK_FORWARD = torch.ops.fsdp_compile.block_forward.default
 # elimination removes it with those updates.
 torch.fx.node.has_side_effect(BLOCK_FORWARD)
 BLOCK_BACKWARD = torch.ops.fsdp_compile.block_backward.default
+
+
+def _float8_as_parts(weights_at: int, cls, func, types, args, kwargs):
+    """``func`` (a block op) with each ``Float8TrainingTensor`` among its weights (argument
+    ``weights_at``) given as its float8 data and scale (NOTE: float8 weights in a block call)."""
+    weights = [part for w in args[weights_at] for part in ((w._data, w._scale) if isinstance(w, cls) else (w,))]
+    return func(*args[:weights_at], weights, *args[weights_at + 1 :], **kwargs)
+
+
+def block_ops_take_float8_weights() -> None:
+    """The block ops' rule for torchao's ``Float8TrainingTensor`` (NOTE: float8 weights in a
+    block call): given for the first region that holds a float8 weight, again for each (the
+    same rule), so importing this module needs no torchao."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    for op, weights_at in ((block_forward, 0), (block_graded, 0), (block_backward, 1)):
+        op.register_torch_dispatch(Float8TrainingTensor, functools.partial(_float8_as_parts, weights_at))
 
 
 @contextlib.contextmanager

@@ -17,12 +17,12 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
-from fsdp_compile.block_runtime import autocast_as, autograd_inside, body_weights, transforms_inside
+from fsdp_compile.block_runtime import autocast_as, autograd_inside, body_weights, float8_weights, transforms_inside
 from fsdp_compile.compat import compiling
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
@@ -81,12 +81,21 @@ def _saved_bytes(outputs: list[Tensor], besides: list[Tensor]) -> Any:
         for name in dir(node):
             if name.startswith("_saved_") or name == "saved_tensors":
                 value = getattr(node, name)
-                for tensor in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(tensor, Tensor):
-                        ref = StorageWeakRef(tensor.untyped_storage())
-                        if ref not in skip:
-                            saved[ref] = tensor.untyped_storage().nbytes()
+                for tensor in _plain(value if isinstance(value, (tuple, list)) else (value,)):
+                    ref = StorageWeakRef(tensor.untyped_storage())
+                    if ref not in skip:
+                        saved[ref] = tensor.untyped_storage().nbytes()
     return sum(saved.values())
+
+
+def _plain(values: Any) -> Iterator[Tensor]:
+    """The plain tensors among ``values``, a tensor subclass's inner ones for it (a float8
+    weight's data and scale)."""
+    for value in values:
+        if is_traceable_wrapper_subclass(value):
+            yield from _plain([getattr(value, name) for name in value.__tensor_flatten__()[0]])
+        elif isinstance(value, Tensor):
+            yield value
 
 
 def _graph_nodes(outputs: list[Tensor]) -> Iterator[Any]:
@@ -242,8 +251,9 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     try:
         with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), transforms_inside(), forward:
+            body, graded_leaves = float8_weights(call, leaves[:count], call.train)
             output = call.body(
-                call.block(), call.layout, call.recipe.key, side, *leaves[:count], *call.leaves(leaves[count:], stand_ins)
+                call.block(), call.layout, call.recipe.key, side, *body, *call.leaves(leaves[count:], stand_ins)
             )
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         # See NOTE: a block fake tensors cannot run.
@@ -269,11 +279,11 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
     differentiable = [t for t in flat if t.requires_grad]
     saved_bytes = _saved_bytes(differentiable, besides=[*leaves, *flat])
     with autograd_inside():  # to name the weights' nodes, as the backward's graph does
-        graded = _Graded(differentiable, leaves[:count])
+        graded = _Graded(differentiable, graded_leaves)
     if differentiable:
         with autograd_inside(), backward:
             torch.autograd.grad(
-                differentiable, [leaf for leaf in leaves if leaf.requires_grad],
+                differentiable, [leaf for leaf in (*graded_leaves, *leaves[count:]) if leaf.requires_grad],
                 [torch.ones_like(t) for t in differentiable], allow_unused=True,
             )
     return {

@@ -69,6 +69,10 @@ class BlockCall:
     flats: tuple[FlatCopy, ...] = ()
     """The first gathered weights are the block's flat parameters: how each is copied out
     and its gradient packed (NOTE: a flat's copies in the block call)."""
+    float8: tuple = ()
+    """Per weight gathered on its own (after the flats), ``(Float8Gather, dtype)`` for a float8
+    weight, which the op takes as its float8 data and scale, else None (NOTE: float8 weights
+    in a block call, in block_call.py); empty where there is none."""
     traced: dict = field(default_factory=dict)
     """Filled by the fake kernel: ``differentiable`` (which tensor leaves need a gradient),
     ``outputs`` (the metadata of the block's tensor outputs, then of its side values: NOTE:

@@ -15,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
 from fsdp_compile.bucket_copies import pack_for_reduce_scatter, split_gathered
 from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.float8 import float8_from_parts
 from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
 
 
@@ -252,6 +253,55 @@ def body_weights(call: BlockCall, weights: list[Tensor], copied_out: bool = Fals
     return [*members, *weights[len(call.flats) :]]
 
 
+def _float8_parts(call: BlockCall, weights: list[Tensor]) -> tuple[list[Tensor], list[tuple | None], list]:
+    """``body_weights``' list as the flats' members, then per weight gathered on its own its
+    float8 cast or None and its tensors: a float8 weight's data and scale, or the weight
+    (NOTE: float8 weights in a block call, in block_call.py)."""
+    tail = len(call.float8) + sum(read is not None for read in call.float8)
+    head, rest = list(weights[: len(weights) - tail]), iter(weights[len(weights) - tail :])
+    return head, list(call.float8), [(next(rest), next(rest)) if read else (next(rest),) for read in call.float8]
+
+
+def float8_weights(call: BlockCall, weights: list[Tensor], train: bool) -> tuple[list[Tensor], list[Tensor]]:
+    """What the body's frame takes for ``body_weights``' list, each float8 weight's data and
+    scale as one ``Float8TrainingTensor``, and the leaves whose gradients are the weights'
+    (``train``), a float8 weight's its carrier (NOTE: float8 weights in a block call, in
+    block_call.py)."""
+    if not call.float8:
+        return weights, weights
+    frame, reads, parts = _float8_parts(call, weights)
+    graded = list(frame)
+    for read, tensors in zip(reads, parts):
+        if read is None:
+            frame.append(tensors[0])
+            graded.append(tensors[0])
+            continue
+        data, weight_scale = (t.requires_grad_(False) for t in tensors)  # leaves: slots, or a fake run's
+        carrier = _carrier(data, read[1]).requires_grad_(True) if train else None
+        weight = float8_from_parts(data, weight_scale, *read, carrier)
+        weight._mfsdp_gathered = True  # the body's plan: a gathered weight (fsdp_compile/planner.py)
+        frame.append(weight)
+        graded.append(carrier if train else data)  # untrained: no leaf takes a gradient
+    return frame, graded
+
+
+def _carrier(data: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty_strided(data.shape, (0,) * data.ndim, dtype=dtype, device=data.device)
+
+
+def graded_like(call: BlockCall, weights: list[Tensor]) -> list[Tensor]:
+    """Empty tensors shaped as the gradients ``block_backward`` returns for ``body_weights``'
+    list: a float8 weight's in its dtype and shape."""
+    if not call.float8:
+        return [torch.empty_like(w) for w in weights]
+    head, reads, parts = _float8_parts(call, weights)
+    tail = [
+        torch.empty_like(tensors[0]) if read is None else torch.empty(tensors[0].shape, dtype=read[1], device=tensors[0].device)
+        for read, tensors in zip(reads, parts)
+    ]
+    return [*map(torch.empty_like, head), *tail]
+
+
 def packed_grads(call: BlockCall, weights: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
     """The gathered ``weights``' gradients from ``block_backward``'s: each flat's members'
     packed (NOTE: a flat's copies in the block call), then those of the weights on their own."""
@@ -286,20 +336,20 @@ def run_forward(
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     if not call.train:
         with torch.no_grad(), autocast_as(call.autocast), transforms_inside():
-            output = frame(
-                block, call.layout, call.recipe.key, side, *body_weights(call, weights, copied_out), *call.leaves(tensors, stand_ins)
-            )
+            body, _ = float8_weights(call, body_weights(call, weights, copied_out), train=False)
+            output = frame(block, call.layout, call.recipe.key, side, *body, *call.leaves(tensors, stand_ins))
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
         return [*(t.detach() for t in outputs), token]
     slots = [_slot(w) for w in body_weights(call, weights, copied_out)]
     inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, call.traced["differentiable"])]
     with autograd_inside():
         with autocast_as(call.autocast), transforms_inside():
-            output = frame(block, call.layout, call.recipe.key, side, *slots, *call.leaves(inputs, stand_ins))
+            body, graded = float8_weights(call, slots, train=True)
+            output = frame(block, call.layout, call.recipe.key, side, *body, *call.leaves(inputs, stand_ins))
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
     _release(slots)
     if differentiated:
-        call.backend().pending.keep(token, (outputs, slots, inputs))
+        call.backend().pending.keep(token, (outputs, slots, graded, inputs))
     # Else the backward recomputes the call: its autograd graph goes with ``outputs`` here, as
     # torch.utils.checkpoint's forward keeps nothing for the backward.
     return [*(t.detach() for t in outputs), token]
@@ -316,10 +366,10 @@ def run_backward(
     # backward(retain_graph=True) differentiates the step again later: the body's autograd
     # graph stays for it, as the step's does.
     retained = torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
-    outputs, slots, inputs = call.backend().pending.take(token, keep=retained)
+    outputs, slots, graded, inputs = call.backend().pending.take(token, keep=retained)
     for slot, weight in zip(slots, body_weights(call, weights, copied_out)):
         slot.data = weight
-    leaves = [*slots, *inputs]
+    leaves = [*graded, *inputs]
     differentiable = [leaf for leaf in leaves if leaf.requires_grad]
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
     computed = [None] * len(differentiable)

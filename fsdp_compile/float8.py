@@ -54,7 +54,10 @@ from torch import Tensor, nn
 
 from fsdp_compile.errors import UsageError
 
-__all__ = ["Float8Gather", "float8_gather_of", "is_float8_weight", "master_weight", "float8_weight", "amax", "scale", "cast", "float8_extra_missing"]
+__all__ = [
+    "Float8Gather", "float8_gather_of", "is_float8_weight", "master_weight", "float8_weight", "float8_from_parts",
+    "is_float8_training_tensor", "amax", "scale", "cast", "float8_extra_missing",
+]
 
 # torch._scaled_mm takes operands whose both dims are multiples of 16.
 _SCALED_MM_MULTIPLE = 16
@@ -191,3 +194,36 @@ def float8_weight(gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype,
     compute in ``orig_dtype``; a tensor-parallel piece (``tensor_parallel_group``: the group
     of the other pieces) is scaled as the whole weight is."""
     return _Float8Weight.apply(gathered, cast, orig_dtype, tensor_parallel_group)
+
+
+def is_float8_training_tensor(tensor: object) -> bool:
+    """torchao's ``Float8TrainingTensor`` (a gathered float8 weight as its linear reads it)."""
+    return type(tensor).__name__ == "Float8TrainingTensor"  # none exists without torchao
+
+
+class _Float8FromParts(torch.autograd.Function):
+    """A gathered float8 weight, from its float8 data and scale, as a block's body reads it;
+    its gradient goes to ``carrier`` (NOTE: float8 weights in a block call)."""
+
+    @staticmethod
+    def forward(ctx, carrier: Tensor, data: Tensor, weight_scale: Tensor, cast: Float8Gather, orig_dtype: torch.dtype):
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        return Float8TrainingTensor(data, weight_scale, orig_dtype, cast.linear_mm_config, GemmInputRole.WEIGHT)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None, None, None, None
+
+
+def float8_from_parts(
+    data: Tensor, weight_scale: Tensor, cast: Float8Gather, orig_dtype: torch.dtype, carrier: Tensor | None
+) -> Tensor:
+    """The ``Float8TrainingTensor`` of a gathered weight's float8 ``data`` and its scale, whose
+    gradient (in ``orig_dtype``, the weight's shape) reaches ``carrier``: a leaf of that dtype
+    and shape, of no storage to speak of (all strides 0). None: no gradient is taken."""
+    if carrier is None:
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        return Float8TrainingTensor(data, weight_scale, orig_dtype, cast.linear_mm_config, GemmInputRole.WEIGHT)
+    return _Float8FromParts.apply(carrier, data, weight_scale, cast, orig_dtype)

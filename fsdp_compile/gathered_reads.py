@@ -35,8 +35,8 @@ from fsdp_compile.state_loading import load_into_shards
 
 
 __all__ = [
-    "set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "gather", "in_a_forward",
-    "copied_module",
+    "set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "float8_read", "gather",
+    "in_a_forward", "copied_module",
 ]
 
 
@@ -73,16 +73,20 @@ def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict) ->
     )
 
 
+def float8_read(gathered: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    """A gathered float8 weight (``info``'s) as its float8 wrapper; any other as it is."""
+    if info.float8 is None:
+        return gathered
+    group = info.tensor_parallel.group_name if info.tensor_parallel else ""
+    return float8_weight(gathered, info.float8, info.param_dtype, group)
+
+
 def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
     """``param`` (its sharding record ``info``) gathered for use: the ``unshard`` marker, then,
     for a float8 weight, its float8 wrapper, and for a tensor-parallel one, its DTensor."""
     try:
-        gathered = unshard_marker(param.to_local(), marker_args(info, param.dtype), info.accumulation)
-        tensor_parallel = info.tensor_parallel
-        if info.float8 is not None:
-            group = tensor_parallel.group_name if tensor_parallel else ""
-            gathered = float8_weight(gathered, info.float8, info.param_dtype, group)
-        return gathered if tensor_parallel is None else tensor_parallel.read(gathered)
+        gathered = float8_read(unshard_marker(param.to_local(), marker_args(info, param.dtype), info.accumulation), info)
+        return gathered if info.tensor_parallel is None else info.tensor_parallel.read(gathered)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to
         # nn.Module.__getattr__, which would silently hand the *shard* to the caller.

@@ -126,7 +126,7 @@ def _body_arguments(layout: str, recipe: str, leaves: tuple, copied_out: bool) -
     weights: each flat whole, or with ``copied_out`` its members (padded) one by one, then
     the parameters on their own."""
     n_args, names, widths = call_layout_of(layout)
-    unpacks, slots, owners, _, reads = recipe_of(recipe)
+    unpacks, slots, owners, _, reads, _ = recipe_of(recipe)
     members, copies, at = [], [], 0
     for unpack, trims in unpacks:
         if copied_out:

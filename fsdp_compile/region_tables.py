@@ -46,13 +46,15 @@ class RegionLayout:
 def gather_recipe(block_key: int) -> tuple:
     """What the wrapper of the block ``block_key`` gathers, as constants (run, not traced, by
     Dynamo): the markers' arguments of its flat parameters, then of the parameters on their
-    own, and the key of its recipe (``RECIPES``), which the block keeps. Refuses a block whose
+    own, which of those are float8 weights, and the key of its recipe (``RECIPES``), which the
+    block keeps. Refuses a block whose
     parameters were replaced since ``fully_shard``: its wrapper would gather the old ones."""
     block = BLOCKS[block_key]
     _check_params(block)
     return (
         tuple(marker_args(shard_info(f), f.dtype) for f in block._mfsdp_region_flats.values()),
         tuple(marker_args(shard_info(p), p.dtype) for p in block._mfsdp_region_params.values()),
+        tuple(shard_info(p).float8 is not None for p in block._mfsdp_region_params.values()),
         _recipe_key(block),
     )
 
@@ -61,10 +63,10 @@ def gather_recipe(block_key: int) -> tuple:
 # the rows each member keeps; the body's weights as indices into the members and the parameters
 # on their own; the owners those weights go to; the modules whose hooks the body records; per
 # weight, the tensor-parallel DTensor it is read as (NOTE: tensor-parallel blocks, in
-# region_body.py), else None. The same for every block of one structure and sharding, so a
-# body's frame sees one value. The table names them only: each block owns the recipe it
-# gathers with (``_mfsdp_recipe``) and each block call the one it was traced with, so a recipe
-# goes with the last of them.
+# region_body.py), else None; per weight on its own, its float8 cast (``_float8_reads``). The
+# same for every block of one structure and sharding, so a body's frame sees one value. The
+# table names them only: each block owns the recipe it gathers with (``_mfsdp_recipe``) and each
+# block call the one it was traced with, so a recipe goes with the last of them.
 RECIPES: weakref.WeakValueDictionary[str, Recipe] = weakref.WeakValueDictionary()
 _RECIPE_KEYS = itertools.count()
 
@@ -79,6 +81,7 @@ def _recipe_key(block: nn.Module) -> str:
         tuple((tuple(path.split(".")) if path else (), names) for path, names in layout.owners),
         hooked_modules(block),
         tuple(_tensor_parallel_read(param_at(block, paths[i])) for i in layout.slots),
+        _float8_reads(block),
     )
     recipe = getattr(block, "_mfsdp_recipe", None)
     if recipe is None or recipe.value != value:
@@ -92,6 +95,16 @@ def _recipe_key(block: nn.Module) -> str:
             RECIPES[recipe.key] = recipe
         block._mfsdp_recipe = recipe
     return recipe.key
+
+
+def _float8_reads(block: nn.Module) -> tuple:
+    """Per parameter gathered on its own, ``(Float8Gather, dtype its matmuls compute in)`` for
+    a float8 weight, else None; empty where the block holds none (NOTE: float8 weights in a
+    block call, in block_call.py)."""
+    infos = [shard_info(p) for p in block._mfsdp_region_params.values()]
+    if all(info.float8 is None for info in infos):
+        return ()
+    return tuple(None if info.float8 is None else (info.float8, info.param_dtype) for info in infos)
 
 
 def _tensor_parallel_read(param: nn.Parameter) -> tuple | None:

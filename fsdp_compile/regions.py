@@ -48,11 +48,11 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile import hf_caches
 from fsdp_compile.backend import compiling_backend
-from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED
+from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_float8_weights
 from fsdp_compile.block_record import BlockCall, FlatCopy, register_call
 from fsdp_compile.block_runtime import autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat, note_graded
-from fsdp_compile.gathered_reads import copied_module, unshard_marker
+from fsdp_compile.gathered_reads import copied_module, float8_read, unshard_marker
 from fsdp_compile.records import next_param_id, shard_info
 from fsdp_compile.region_body import region_body, region_inline, structure
 from fsdp_compile.region_tables import (
@@ -81,12 +81,15 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     # The markers' constants come from one call Dynamo runs rather than traces: read field by
     # field from each ShardInfo, they were a guard each (28% of Dynamo's time on an HF Llama,
     # A B A B).
-    flats, alone, recipe = gather_recipe(self._mfsdp_region_key)
+    flats, alone, float8, recipe = gather_recipe(self._mfsdp_region_key)
     flat_params = self._mfsdp_region_flats.values()
     gathered = [unshard_marker(f, c, shard_info(f).accumulation) for f, c in zip(flat_params, flats)]
     if alone:
         params = self._mfsdp_region_params.values()
         gathered += [unshard_marker(p.to_local(), c, shard_info(p).accumulation) for p, c in zip(params, alone)]
+        if any(float8):  # NOTE: float8 weights in a block call, in block_call.py
+            at = len(flats)
+            gathered[at:] = [float8_read(g, shard_info(p)) if f else g for g, p, f in zip(gathered[at:], params, float8)]
     # The body takes flat leaves only (the block, constants, tensors, None...), the same for
     # every layer: a frame of its own guards on each argument. Tuples are opened one level
     # (HF's position_embeddings); one constant says how to regroup. Dynamo steps through this
@@ -173,7 +176,7 @@ def _block_call(
     call = register_call(BlockCall(
         block=weakref.ref(block), body=region_body, name=name, layout=layout, recipe=traced_with,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
-        autocast=autocast_state(), flats=flats,
+        autocast=autocast_state(), flats=flats, float8=traced_with.value[5],
     ), backend.calls)
     return call, not backend.options.regional
 
@@ -325,8 +328,8 @@ _REGION_CLASSES: dict[type, type] = {}
 def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
     """The block's sharded parameters by owner, grouped into flats; None when the block
     cannot be one body: a parameter not sharded by fully_shard, one shared between layers
-    (``shared``: held outside the block, or reached from several blocks; said), a float8 weight, or a module with tensor parallelism's hooks and
-    others."""
+    (``shared``: held outside the block, or reached from several blocks; said), or a module
+    with tensor parallelism's hooks and others."""
     owners, slot_params, path_of = defaultdict(list), [], {}
     for path, owner in block.named_modules():
         if mixes_tensor_parallel_hooks(owner):
@@ -339,11 +342,7 @@ def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
             if info is not None and id(param) in shared:
                 _say_shared_inline(type(block).__name__, f"{path}.{name}" if path else name)
                 return None
-            # A float8 weight is read as torchao's Float8TrainingTensor, which the float8 cast
-            # makes after the gather; a block's call takes plain tensors only (a subclass
-            # input would need the op to be one torchao's dispatch knows): such a block is
-            # traced inline, as with regional=False.
-            if info is None or info.float8 is not None:
+            if info is None:
                 return None
             owners[path].append(name)
             slot_params.append(param)
@@ -399,6 +398,8 @@ def _make_region(block: nn.Module, layout: RegionLayout, path: str) -> None:
         for i, members in enumerate(layout.flats)
     }
     block._mfsdp_region_params = _params_alone(block, layout.alone)
+    if any(shard_info(p).float8 is not None for p in block._mfsdp_region_params.values()):
+        block_ops_take_float8_weights()
     if block._mfsdp_region_flats:
         block.register_load_state_dict_post_hook(materialise_loaded_flats)
 

@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("torchao.float8")
 
 from fsdp_compile import MfsdpBackend, MixedPrecision, UsageError, fully_shard  # noqa: E402
+from fsdp_compile.block_call import BLOCK_FORWARD  # noqa: E402
 from fsdp_compile.bench.comms import graph_census  # noqa: E402
 from fsdp_compile.patterns import collective_facts, is_all_gather, is_all_reduce, is_collective  # noqa: E402
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch  # noqa: E402
@@ -35,6 +36,7 @@ from harness import (  # noqa: E402
     full_parameters,
     max_param_error,
     mean_over_ranks,
+    one_rank_group,
     per_rank_reference,
     rank_batches,
     relative_error,
@@ -299,6 +301,40 @@ def test_float8_gathers_carry_half_the_bf16_bytes():
 
 
 @pytest.mark.structure
+def test_float8_layers_are_one_body_compiled_once_at_the_inline_trace_s_numbers():
+    """One gloo rank, the eager runner, three layers of float8 linears: each layer is one call
+    of one body, compiled once, whose weights reach it as float8 (NOTE: float8 weights in a
+    block call); the loss, every gradient and an evaluation under ``torch.no_grad()`` equal
+    those of the step traced inline (``regional=False``) bit for bit."""
+    cfg = TransformerConfig(vocab=67, dim=64, n_layers=3, n_heads=4, hidden=128)
+    batch = make_batch(cfg, 2, 8, 0)
+    runs = {}
+    with one_rank_group():
+        for regional in (True, False):
+            model = fully_shard(float8_model(cfg))
+            backend = MfsdpBackend(compiler="eager", regional=regional)
+            forward = torch.compile(model, backend=backend)
+            grads = _first_gradients(model, forward, batch)
+            compiles = {name: len(graphs) for name, graphs in backend.bodies.items()}
+            with torch.no_grad():
+                evaluation = forward(batch[0])
+            runs[regional] = (grads, evaluation, backend, compiles)
+    grads, evaluation, backend, compiles = runs[True]
+    calls = [n for n in backend.graphs[0].dynamo.graph.nodes if n.target is BLOCK_FORWARD]
+    assert len(calls) == cfg.n_layers and len({n.args[-1] for n in calls}) == cfg.n_layers
+    assert compiles == {"_region_0": 1}, compiles
+    lowered = [n for n in backend.graphs[0].forward.graph.nodes if n.target is BLOCK_FORWARD]
+    float8_inputs = [w for n in lowered for w in n.args[0] if w.meta["val"].dtype == torch.float8_e4m3fn]
+    assert len(float8_inputs) == 4 * cfg.n_layers  # wqkv, wo, gate and down: every linear
+    inline_grads, inline_evaluation, inline_backend, _ = runs[False]
+    assert not inline_backend.bodies
+    assert torch.equal(evaluation, inline_evaluation)
+    assert grads.keys() == inline_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, inline_grads[name]), name
+
+
+@pytest.mark.structure
 def test_float8_dumps_show_float8_gathers(tmp_path):
     """The dumps name what the gathers carry: plan.json each float8 weight's gather dtype,
     schedule.json the float8 bytes of each gather and the amax all-reduces (both valid
@@ -310,8 +346,10 @@ def test_float8_dumps_show_float8_gathers(tmp_path):
 
     with fake_process_group(4):
         _compiled_step(fully_shard(float8_model()), {"debug_dir": str(tmp_path)})
-    (folder,) = (tmp_path / "rank0").glob("graph_*")
-    plan = json.loads((folder / "plan.json").read_text())
+    plans = {f: json.loads((f / "plan.json").read_text()) for f in (tmp_path / "rank0").glob("graph_*")}
+    # The step's graph gathers; the layers' body, one for both, takes gathered weights.
+    assert len(plans) == 2, sorted(plans)
+    ((folder, plan),) = [(f, p) for f, p in plans.items() if p["params"]]
     schedule = json.loads((folder / "schedule.json").read_text())
     for document, schema in ((plan, "plan.schema.json"), (schedule, "schedule.schema.json")):
         jsonschema.validate(document, json.loads(resources.files("fsdp_compile.schemas").joinpath(schema).read_text()))
