@@ -56,7 +56,7 @@ from fsdp_compile.errors import UsageError
 
 __all__ = [
     "Float8Gather", "float8_gather_of", "is_float8_weight", "master_weight", "float8_weight", "float8_from_parts",
-    "is_float8_training_tensor", "amax", "scale", "cast", "float8_extra_missing",
+    "amax", "scale", "cast", "float8_extra_missing",
 ]
 
 # torch._scaled_mm takes operands whose both dims are multiples of 16.
@@ -170,19 +170,24 @@ def _(weight, dtype, round_scales_to_power_of_2, tensor_parallel_group):
 FLOAT8_CAST = torch.ops.fsdp_compile.float8_cast.default
 
 
+def _training_tensor(data: Tensor, weight_scale: Tensor, cast: Float8Gather, orig_dtype: torch.dtype) -> Tensor:
+    """torchao's ``Float8TrainingTensor`` of a weight's float8 ``data`` and scale."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    return Float8TrainingTensor(data, weight_scale, orig_dtype, cast.linear_mm_config, GemmInputRole.WEIGHT)
+
+
 class _Float8Weight(torch.autograd.Function):
     """The gathered weight as torchao's ``Float8TrainingTensor``; the gradient passes straight
     through to the gathered high-precision weight (torchao's convention for its casts)."""
 
     @staticmethod
     def forward(ctx, gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype, tensor_parallel_group: str):
-        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-
         # The op, not the custom_op object: that one's Python __call__ would be traced too.
-        data, scale = torch.ops.fsdp_compile.float8_cast.default(
+        data, weight_scale = torch.ops.fsdp_compile.float8_cast.default(
             gathered, cast.dtype, cast.round_scales_to_power_of_2, tensor_parallel_group
         )
-        return Float8TrainingTensor(data, scale, orig_dtype, cast.linear_mm_config, GemmInputRole.WEIGHT)
+        return _training_tensor(data, weight_scale, cast, orig_dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -196,20 +201,13 @@ def float8_weight(gathered: Tensor, cast: Float8Gather, orig_dtype: torch.dtype,
     return _Float8Weight.apply(gathered, cast, orig_dtype, tensor_parallel_group)
 
 
-def is_float8_training_tensor(tensor: object) -> bool:
-    """torchao's ``Float8TrainingTensor`` (a gathered float8 weight as its linear reads it)."""
-    return type(tensor).__name__ == "Float8TrainingTensor"  # none exists without torchao
-
-
 class _Float8FromParts(torch.autograd.Function):
     """A gathered float8 weight, from its float8 data and scale, as a block's body reads it;
-    its gradient goes to ``carrier`` (NOTE: float8 weights in a block call)."""
+    its gradient goes to ``carrier`` (NOTE: float8 weights in a block call, in block_call.py)."""
 
     @staticmethod
     def forward(ctx, carrier: Tensor, data: Tensor, weight_scale: Tensor, cast: Float8Gather, orig_dtype: torch.dtype):
-        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-
-        return Float8TrainingTensor(data, weight_scale, orig_dtype, cast.linear_mm_config, GemmInputRole.WEIGHT)
+        return _training_tensor(data, weight_scale, cast, orig_dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -223,7 +221,5 @@ def float8_from_parts(
     gradient (in ``orig_dtype``, the weight's shape) reaches ``carrier``: a leaf of that dtype
     and shape, of no storage to speak of (all strides 0). None: no gradient is taken."""
     if carrier is None:
-        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-
-        return Float8TrainingTensor(data, weight_scale, orig_dtype, cast.linear_mm_config, GemmInputRole.WEIGHT)
+        return _training_tensor(data, weight_scale, cast, orig_dtype)
     return _Float8FromParts.apply(carrier, data, weight_scale, cast, orig_dtype)
