@@ -79,6 +79,22 @@ NOTE: float8 weights in a block call
     all 0 (``carrier``): that leaf's gradient is the one ``block_backward`` returns for the
     weight. The body saves the data and scale only as its slots (the step gathers them again
     for the backward), as any gathered weight.
+
+NOTE: DTensors at a block call
+    Sequence parallelism on an HF model keeps the residual stream a DTensor between layers
+    (HF computes the rotary positions from its length), and a layer may return one
+    (``use_local_output=False``). For ``DTensor`` the block ops have a rule too: the op takes
+    each DTensor's local tensor, recording its mesh, placements, shape and stride
+    (``traced["tensor_specs"]``), and ``block_backward`` gives the gradients of those inputs
+    back as DTensors placed as they are. The op's results are local tensors; the step's
+    graph reads each the block returned as a DTensor as that DTensor again
+    (``traced["output_specs"]``, from the fake run; ``DTensor.from_local`` in the region's
+    wrapper, whose backward hands the op the gradient's local tensor). Inside, the body gets
+    the DTensors back from the local tensors and returns its outputs' local tensors, both on
+    autograd's record, so the block's code runs on what eager hands it. A global shape must be
+    a number for that: a call given a DTensor of symbolic sizes (a step compiled with dynamic
+    shapes) is traced inline, said once (``regions._say_dtensor_inline``), and a block
+    returning one is refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -89,11 +105,15 @@ from typing import Iterator
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from fsdp_compile.block_fakes import fake_run
 from fsdp_compile.block_record import BlockCall, call_record
+from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.block_runtime import (
+    as_dtensors,
     body_weights,
+    dtensor_spec,
     generator_states,
     generators_at,
     graded_like,
@@ -141,6 +161,8 @@ def _(
     # autograd, where nothing requires a gradient. The fake run differentiates as they do.
     call_record(call).traced.setdefault("differentiable", [t.requires_grad for t in tensors])
     record = _traced(call, weights, tensors, copied_out)
+    if record.train and record.float8:
+        _refuse_float8_without_gradient(record)
     outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in record.traced["outputs"]]
     return [*outputs, token_like([*weights, *tensors])]
 
@@ -153,6 +175,26 @@ def _traced(call: int, weights: list[Tensor], tensors: list[Tensor], copied_out:
     if record.train:
         record.block()._mfsdp_note_graded(record.traced["graded"])
     return record
+
+
+def _refuse_float8_without_gradient(record: BlockCall) -> None:
+    """A float8 weight that requires a gradient but gets none in the body's backward (read
+    under ``torch.no_grad()``, or not read) would be handed zeros: its float8 cast, in the
+    step's graph, is a Function whose missing gradient the compiled graph makes zeros, where
+    eager leaves ``.grad`` None and the optimizer skips the weight (NOTE: parameters without a
+    gradient, in block_fakes.py)."""
+    block = record.block()
+    alone = record.traced["graded"][len(record.flats) :]
+    for (path, param), read, flags in zip(block._mfsdp_region_params.items(), record.float8, alone):
+        if read is not None and param.requires_grad and not any(flags):
+            raise CompileUsageError(
+                f"a repeated {type(block).__name__}'s float8 weight {path} gets no gradient in "
+                "its backward (read under torch.no_grad(), or not read): its compiled body "
+                "would hand it zeros, and AdamW would decay it. Compile with "
+                "options={'regional': False} (its .grad then stays None), leave the linear out "
+                "of the float8 conversion (convert_to_float8_training(..., module_filter_fn=...)), "
+                "or set its requires_grad to False."
+            )
 
 
 @torch.library.custom_op("fsdp_compile::block_graded", mutates_args=())
@@ -239,6 +281,34 @@ def _float8_as_parts(weights_at: int, cls, func, types, args, kwargs):
     ``weights_at``) given as its float8 data and scale (NOTE: float8 weights in a block call)."""
     weights = [part for w in args[weights_at] for part in ((w._data, w._scale) if isinstance(w, cls) else (w,))]
     return func(*args[:weights_at], weights, *args[weights_at + 1 :], **kwargs)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _forward_on_locals(cls, func, types, args, kwargs):
+    """``block_forward`` or ``block_graded`` called with DTensors among its tensors (NOTE:
+    DTensors at a block call)."""
+    weights, tensors, call, *rest = args
+    record = call_record(call)
+    record.traced.setdefault("differentiable", [t.requires_grad for t in tensors])
+    record.traced["tensor_specs"] = [dtensor_spec(t) for t in tensors]
+    return func(weights, [_local(t) for t in tensors], call, *rest, **kwargs)
+
+
+def _backward_on_locals(cls, func, types, args, kwargs):
+    """``block_backward`` called with DTensors among its tensors: their gradients DTensors
+    placed as they are."""
+    token, weights, tensors, grads, call, *rest = args
+    results = func(token, weights, [_local(t) for t in tensors], [_local(g) for g in grads], call, *rest, **kwargs)
+    at = len(results) - len(tensors)
+    return [*results[:at], *as_dtensors(results[at:], [dtensor_spec(t) for t in tensors])]
+
+
+block_forward.register_torch_dispatch(DTensor, _forward_on_locals)
+block_graded.register_torch_dispatch(DTensor, _forward_on_locals)
+block_backward.register_torch_dispatch(DTensor, _backward_on_locals)
 
 
 def block_ops_take_float8_weights() -> None:

@@ -22,7 +22,16 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
-from fsdp_compile.block_runtime import autocast_as, autograd_inside, body_weights, float8_weights, transforms_inside
+from fsdp_compile.block_runtime import (
+    autocast_as,
+    autograd_inside,
+    body_weights,
+    dtensor_spec,
+    float8_weights,
+    local_tensors,
+    placed_inputs,
+    transforms_inside,
+)
 from fsdp_compile.compat import compiling
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
@@ -117,7 +126,7 @@ def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copi
     symbolic = any(isinstance(s, torch.SymInt) for t in (*weights, *tensors) for s in (*t.shape, *t.stride()))
     key = (call.name, call.layout, call.recipe.key, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
            tuple(map(str, map(tensor_metadata, weights))), tuple(map(str, map(tensor_metadata, tensors))),
-           tuple(_differentiable(call, tensors)), copied_out)
+           tuple(_differentiable(call, tensors)), copied_out, str(call.traced.get("tensor_specs")))
     outputs = _fake_runs(call)
     if key not in outputs:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.
@@ -252,9 +261,8 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
     try:
         with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), transforms_inside(), forward:
             body, graded_leaves = float8_weights(call, leaves[:count], call.train)
-            output = call.body(
-                call.block(), call.layout, call.recipe.key, side, *body, *call.leaves(leaves[count:], stand_ins)
-            )
+            placed = placed_inputs(call, leaves[count:])
+            output = call.body(call.block(), call.layout, call.recipe.key, side, *body, *call.leaves(placed, stand_ins))
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         # See NOTE: a block fake tensors cannot run.
         call.backend().unfakeable.add(call.name)
@@ -268,14 +276,18 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
         )
     side_form, side_tensors = flatten(side, stand_ins)
     own = tensors_of(output)
-    flat = [*own, *side_tensors]
-    if any(isinstance(t, DTensor) for t in flat):
+    returned = [*own, *side_tensors]
+    if any(isinstance(t, DTensor) and any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride())) for t in returned):
         raise CompileUsageError(
             f"a repeated block ({type(call.block()).__name__}) returns a DTensor (a "
-            "parallelize_module style with use_local_output=False): its compiled body returns "
-            "plain tensors. Return local tensors (use_local_output=True), or compile with "
-            "options={'regional': False} to trace such blocks inline."
+            "parallelize_module style with use_local_output=False) of symbolic sizes (the step "
+            "is compiled with dynamic shapes): its compiled body returns local tensors, which "
+            "the step reads as that DTensor again only from a global shape that is a number. "
+            "Compile with dynamic=False, return local tensors (use_local_output=True), or "
+            "compile with options={'regional': False} to trace such blocks inline."
         )
+    with autograd_inside() if call.train else torch.no_grad():
+        flat = local_tensors(returned)  # NOTE: DTensors at a block call, in block_call.py
     differentiable = [t for t in flat if t.requires_grad]
     saved_bytes = _saved_bytes(differentiable, besides=[*leaves, *flat])
     with autograd_inside():  # to name the weights' nodes, as the backward's graph does
@@ -292,6 +304,7 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
         "own": len(own),
         "side": side_form,
         "outputs": [tensor_metadata(t) for t in flat],
+        "output_specs": [dtensor_spec(t) for t in returned],
         "differentiable_outputs": [t.requires_grad for t in flat],
         "cost": {"forward": (forward.flops, forward.bytes), "backward": (backward.flops, backward.bytes)},
         "saved_bytes": saved_bytes,

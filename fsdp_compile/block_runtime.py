@@ -6,10 +6,12 @@ in block_call.py)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
@@ -181,7 +183,7 @@ def _flat_outputs(call: BlockCall, output: Any, side: tuple[tuple, list[Tensor]]
             "step keeps the constants a block returns. Return such a value as a tensor, or "
             "compile with options={'regional': False} (then Dynamo guards on it)."
         )
-    flat = [*tensors_of(output), *side_tensors]
+    flat = local_tensors([*tensors_of(output), *side_tensors])
     expected = call.traced["outputs"]
     got = [tensor_metadata(t) for t in flat]
     if len(got) != len(expected) or any(
@@ -251,6 +253,36 @@ def body_weights(call: BlockCall, weights: list[Tensor], copied_out: bool = Fals
         return weights
     members = [m for weight, flat in zip(weights, call.flats) for m in split_gathered(weight, *flat.unpack)]
     return [*members, *weights[len(call.flats) :]]
+
+
+def dtensor_spec(tensor: Tensor) -> tuple | None:
+    """A DTensor's mesh, placements, shape and stride (NOTE: DTensors at a block call, in
+    block_call.py); None for a plain tensor."""
+    if not isinstance(tensor, DTensor):
+        return None
+    # Placements of their own: the DTensor's may be objects a layer's hooks hold (a style's
+    # output layouts), which the body's frame would then guard by identity, one compile a layer.
+    placements = tuple(copy.copy(p) for p in tensor.placements)
+    return (tensor.device_mesh, placements, tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def as_dtensors(tensors: list[Tensor], specs: list[tuple | None]) -> list[Tensor]:
+    """Each of ``tensors`` (local) as the DTensor its spec says; as it is where none."""
+    return [
+        t if spec is None else DTensor.from_local(t, spec[0], spec[1], run_check=False, shape=spec[2], stride=spec[3])
+        for t, spec in zip(tensors, specs)
+    ]
+
+
+def placed_inputs(call: BlockCall, tensors: list[Tensor]) -> list[Tensor]:
+    """The call's tensors as the block was called with them: DTensors again where they were
+    (NOTE: DTensors at a block call, in block_call.py)."""
+    specs = call.traced.get("tensor_specs")
+    return tensors if specs is None else as_dtensors(tensors, specs)
+
+
+def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 def _float8_parts(call: BlockCall, weights: list[Tensor]) -> tuple[list[Tensor], list[tuple | None], list]:
@@ -337,7 +369,8 @@ def run_forward(
     if not call.train:
         with torch.no_grad(), autocast_as(call.autocast), transforms_inside():
             body, _ = float8_weights(call, body_weights(call, weights, copied_out), train=False)
-            output = frame(block, call.layout, call.recipe.key, side, *body, *call.leaves(tensors, stand_ins))
+            placed = placed_inputs(call, tensors)
+            output = frame(block, call.layout, call.recipe.key, side, *body, *call.leaves(placed, stand_ins))
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
         return [*(t.detach() for t in outputs), token]
     slots = [_slot(w) for w in body_weights(call, weights, copied_out)]
@@ -345,7 +378,8 @@ def run_forward(
     with autograd_inside():
         with autocast_as(call.autocast), transforms_inside():
             body, graded = float8_weights(call, slots, train=True)
-            output = frame(block, call.layout, call.recipe.key, side, *body, *call.leaves(inputs, stand_ins))
+            placed = placed_inputs(call, inputs)
+            output = frame(block, call.layout, call.recipe.key, side, *body, *call.leaves(placed, stand_ins))
         outputs = _flat_outputs(call, output, flatten(side, stand_ins), [*weights, *tensors])
     _release(slots)
     if differentiated:

@@ -273,8 +273,9 @@ class Plan:
     """Parameters grouped per collective, in the forward's first-read order (``plan_buckets``)."""
     gathered_inputs: tuple[int, ...] = field(default=())
     """A repeated block's body (NOTE: one op per block call, in fsdp_compile/block_call.py):
-    the positions of its inputs that are gathered weights, which ``reshard`` keeps the body
-    from saving in any other form than as the input itself."""
+    the positions of its joint graph's inputs that are gathered weights (a float8 weight's
+    data and scale each), which ``reshard`` keeps the body from saving in any other form than
+    as the input itself."""
     ranks_in_step: bool = True
     """Every rank compiles this graph at the same call: its backend's first compile of the
     frame in its grad mode, which every rank makes when the step first runs and at the first

@@ -25,10 +25,10 @@ NOTE: tensor-parallel blocks
     expert all-to-all is. What those hooks close over (the style's function and layouts, the
     mesh) is part of the structure: layers split alike share one body, layers split
     otherwise get one each. A tensor-parallel block keeps every parameter out of flats
-    (regions.py). Two cases stay inline: a call given a DTensor (a residual stream kept as
-    one: the block op takes plain tensors), and a module holding tensor parallelism's hooks
-    and others (the body cannot run the one kind and record the other on one module); a
-    block returning a DTensor is refused, naming the fix.
+    (regions.py). A call given a DTensor (a residual stream kept as one) or returning one is
+    a body too (NOTE: DTensors at a block call, in block_call.py). A module holding tensor
+    parallelism's hooks and others stays inline (the body cannot run the one kind and record
+    the other on one module).
 """
 
 from __future__ import annotations

@@ -198,7 +198,9 @@ def layers_of(block_key: int) -> tuple[int, ...]:
 
 @torch._dynamo.assume_constant_result
 def call_output_form(call: int) -> tuple:
-    """How the call's outputs regroup, how many are the block's, and the form of the side
-    values after them (known once ``block_forward``'s fake kernel ran)."""
+    """How the call's outputs regroup, how many are the block's, the form of the side values
+    after them, and, where the block returned DTensors, each output's spec (NOTE: DTensors at
+    a block call, in block_call.py): known once ``block_forward``'s fake kernel ran."""
     traced = call_record(call).traced
-    return traced["form"], traced["own"], traced["side"]
+    specs = traced["output_specs"]
+    return traced["form"], traced["own"], traced["side"], tuple(specs) if any(specs) else ()

@@ -50,7 +50,7 @@ from fsdp_compile import hf_caches
 from fsdp_compile.backend import compiling_backend
 from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_float8_weights
 from fsdp_compile.block_record import BlockCall, FlatCopy, register_call
-from fsdp_compile.block_runtime import autocast_state
+from fsdp_compile.block_runtime import as_dtensors, autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat, note_graded
 from fsdp_compile.gathered_reads import copied_module, float8_read, unshard_marker
 from fsdp_compile.records import next_param_id, shard_info
@@ -119,7 +119,9 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     passable = all(map(_passable, constants))
     if not passable and not said and torch.compiler.is_compiling():
         _say_inline(type(self).__name__, _first_unpassable(tuple(map(type, constants))))
-    if any(map(isinstance, leaves, itertools.repeat(DTensor))):
+    if any(map(isinstance, leaves, itertools.repeat(DTensor))) and _symbolic_dtensors(leaves):
+        # The body reads a DTensor again from its local tensor and a global shape, which a
+        # symbolic size could not give it (NOTE: DTensors at a block call, in block_call.py).
         passable = False
         if torch.compiler.is_compiling():
             _say_dtensor_inline(type(self).__name__)
@@ -140,7 +142,9 @@ def _region_forward(self: nn.Module, *args, **kwargs):
             return self._mfsdp_region_forward(*args, **kwargs)
         return region_inline(self, layout, recipe, *gathered, *given)
     outputs = BLOCK_FORWARD(gathered, tensors, call)
-    form, own, side = call_output_form(call)
+    form, own, side, specs = call_output_form(call)
+    if specs:  # NOTE: DTensors at a block call, in block_call.py
+        outputs = [*as_dtensors(outputs[:-1], specs), outputs[-1]]
     if side:
         replay(self, side, outputs[own:-1], given)
     return _regroup(form, outputs)
@@ -245,14 +249,20 @@ def _say_tensor_parallel_inline(block: str, module: str) -> None:
     )
 
 
+def _symbolic_dtensors(leaves: tuple) -> bool:
+    return any(isinstance(s, torch.SymInt) for t in leaves if isinstance(t, DTensor) for s in (*t.shape, *t.stride()))
+
+
 @torch._dynamo.assume_constant_result
 def _say_dtensor_inline(block: str) -> None:
     """Said once per block class (Python's warnings keep the first)."""
     warnings.warn(
-        f"a repeated {block} is called with a DTensor (sequence parallelism keeps the residual "
-        "stream one): a block's compiled body takes plain tensors, so each such call is traced "
-        "inline in the step, as with options={'regional': False}, and compile time grows with "
-        "depth.",
+        f"a repeated {block} is called with a DTensor of symbolic sizes (sequence parallelism "
+        "keeps the residual stream one, and the step was compiled with dynamic shapes): a "
+        "block's compiled body reads it again from its local tensor and global shape, which a "
+        "symbolic size cannot give, so each such call is traced inline in the step, as with "
+        "options={'regional': False}, and compile time grows with depth. Compile with "
+        "dynamic=False (each new length compiles the step again) to keep one body.",
         stacklevel=2,
     )
 

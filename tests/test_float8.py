@@ -326,12 +326,60 @@ def test_float8_layers_are_one_body_compiled_once_at_the_inline_trace_s_numbers(
     lowered = [n for n in backend.graphs[0].forward.graph.nodes if n.target is BLOCK_FORWARD]
     float8_inputs = [w for n in lowered for w in n.args[0] if w.meta["val"].dtype == torch.float8_e4m3fn]
     assert len(float8_inputs) == 4 * cfg.n_layers  # wqkv, wo, gate and down: every linear
+    # The body saves its float8 weights for the backward only as its inputs (the step gathers
+    # them again), never as a copy (passes/reshard.py, on the float8 data and scale inputs).
+    body = backend.bodies["_region_0"][0]  # the training step's (the evaluation's after it)
+    (output,) = [n for n in body.forward.graph.nodes if n.op == "output"]
+    weight_shapes = {tuple(w.meta["val"].shape) for w in lowered[0].args[0] if w.meta["val"].dtype == torch.float8_e4m3fn}
+    saved_weights = [
+        n for n in output.all_input_nodes
+        if n.meta["val"].dtype == torch.float8_e4m3fn and tuple(n.meta["val"].shape) in weight_shapes
+    ]  # (an activation cast to float8 is saved too: torchao's weight gradient reads it)
+    assert len(saved_weights) == 4 and all(n.op == "placeholder" for n in saved_weights), saved_weights
     inline_grads, inline_evaluation, inline_backend, _ = runs[False]
     assert not inline_backend.bodies
     assert torch.equal(evaluation, inline_evaluation)
     assert grads.keys() == inline_grads.keys()
     for name, grad in grads.items():
         assert torch.equal(grad, inline_grads[name]), name
+
+
+class _GatedBlock(torch.nn.Module):
+    """Its gate's float8 weight is read under ``torch.no_grad()``: it gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64, bias=False)
+        self.gate = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            gate = self.gate(x).sigmoid()
+        return x + self.a(x) * gate
+
+
+@pytest.mark.structure
+def test_a_float8_weight_without_gradient_in_a_body_is_refused_and_keeps_none_inline():
+    """A compiled body would hand a float8 weight that gets no gradient zeros (its cast, in the
+    step's graph, is a Function whose missing gradient the graph makes zeros), and AdamW
+    would decay it: refused while tracing, naming the fixes; traced inline its ``.grad``
+    stays None, as eager's."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    x = torch.randn(2, 8, 64)
+    with fake_process_group(2):
+        for regional in (True, False):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*(_GatedBlock() for _ in range(3)))
+            fully_shard(convert_to_float8_training(model, config=config))
+            forward = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=regional))
+            if regional:
+                with pytest.raises(Exception, match="CompileUsageError.*float8 weight gate.weight gets no gradient.*regional"):
+                    forward(x).sum().backward()
+            else:
+                forward(x).sum().backward()
+                assert {n for n, p in model.named_parameters() if p.grad is None} == {f"{i}.gate.weight" for i in range(3)}
 
 
 @pytest.mark.structure

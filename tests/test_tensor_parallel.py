@@ -6,6 +6,7 @@ collectives kept in the compiled graphs."""
 from __future__ import annotations
 
 import contextlib
+import copy
 from functools import partial
 
 import pytest
@@ -43,6 +44,7 @@ from harness import (
     make_batch,
     max_param_error,
     moe_config,
+    one_rank_group,
     relative_error,
     spawn,
 )
@@ -366,10 +368,10 @@ class _ReturnsDTensor(_Model):
 
 
 @pytest.mark.structure
-def test_a_block_returning_a_dtensor_is_refused_with_the_fix():
-    """A block's compiled body returns plain tensors: a block that returns a DTensor is
-    refused, naming both ways out, rather than handing the step a plain tensor where the
-    model reads a DTensor."""
+def test_a_block_returning_a_dtensor_is_one_body_returning_it():
+    """A layer whose row-parallel ``down`` keeps its output a DTensor
+    (``use_local_output=False``) is one body for all layers, compiled once: the block call
+    hands the model the DTensor the block returned (NOTE: DTensors at a block call)."""
     with fake_process_group(DP * TP):
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
         model = _ReturnsDTensor()
@@ -377,28 +379,40 @@ def test_a_block_returning_a_dtensor_is_refused_with_the_fix():
             plan = {"up": ColwiseParallel(), "down": RowwiseParallel(use_local_output=False)}
             parallelize_module(layer, mesh["tp"], plan)
         fully_shard(model, mesh=mesh["dp"])
-        # Raised by the block op's fake kernel while Dynamo traces, which wraps it in its
-        # TorchRuntimeError (as it wraps every error of a block's fake run): our message in it.
-        with pytest.raises(Exception, match="CompileUsageError.*returns a DTensor .*use_local_output=True.*regional"):
-            _loss(torch.compile(model, backend=MfsdpBackend(compiler="eager")), _batch(0, 0))
+        backend = MfsdpBackend(compiler="eager")
+        _loss(torch.compile(model, backend=backend), _batch(0, 0)).backward()
+    (graph,) = backend.graphs
+    assert sum(is_block_call(n) for n in graph.forward.graph.nodes) == LAYERS
+    assert [len(graphs) for graphs in backend.bodies.values()] == [1]
 
 
 @pytest.mark.structure
-def test_blocks_called_with_a_dtensor_are_traced_inline_and_say_so():
-    """Sequence parallelism hands each layer its residual stream as a DTensor, which a body's
-    block op cannot take: the layers are traced inline (no block call in the step) and the
-    user is told once why."""
+def test_sequence_parallel_layers_given_a_dtensor_are_one_body_at_the_unsharded_model_s_numbers():
+    """Sequence parallelism on HF Llama keeps the residual stream a DTensor between layers:
+    each layer is one call of one body, compiled once, which takes the DTensor's local tensor
+    and reads it as the DTensor again (NOTE: DTensors at a block call). One gloo rank (dp 1 x
+    tp 1, so the numbers are real), the eager runner: the loss and every gradient equal the
+    unsharded model's bit for bit."""
     pytest.importorskip("transformers")
-    with fake_process_group(DP * TP):
-        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-        model = _hf_llama()
+    with one_rank_group():
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        reference = _hf_llama()
+        model = copy.deepcopy(reference)
         hf_llama_sequence_parallel(model, mesh["tp"])
         fully_shard(model, mesh=mesh["dp"])
         backend = MfsdpBackend(compiler="eager")
-        with pytest.warns(UserWarning, match="called with a DTensor .* traced inline"):
-            _hf_loss(torch.compile(model, backend=backend), _batch(0, 0)).backward()
+        loss = _hf_loss(torch.compile(model, backend=backend), _batch(0, 0))
+        loss.backward()
+        expected = _hf_loss(reference, _batch(0, 0))
+        expected.backward()
     (graph,) = backend.graphs
-    assert not any(is_block_call(n) for n in graph.forward.graph.nodes) and not backend.bodies
+    assert sum(is_block_call(n) for n in graph.forward.graph.nodes) == LAYERS
+    assert [len(graphs) for graphs in backend.bodies.values()] == [1]
+    assert torch.equal(loss.detach(), expected.detach())
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert grads.keys() == {n for n, _ in reference.named_parameters()}
+    for name, param in reference.named_parameters():
+        assert torch.equal(grads[name], param.grad), name
 
 
 @pytest.mark.structure
