@@ -86,15 +86,18 @@ NOTE: DTensors at a block call
     (``use_local_output=False``). For ``DTensor`` the block ops have a rule too: the op takes
     each DTensor's local tensor, recording its mesh, placements, shape and stride
     (``traced["tensor_specs"]``), and ``block_backward`` gives the gradients of those inputs
-    back as DTensors placed as they are. The op's results are local tensors; the step's
+    back as DTensors placed as the body's ``from_local`` gave them (a ``Partial`` input's
+    replicated, as torch's backward of it makes it). The op's results are local tensors; the step's
     graph reads each the block returned as a DTensor as that DTensor again
     (``traced["output_specs"]``, from the fake run; ``DTensor.from_local`` in the region's
     wrapper, whose backward hands the op the gradient's local tensor). Inside, the body gets
     the DTensors back from the local tensors and returns its outputs' local tensors, both on
     autograd's record, so the block's code runs on what eager hands it. A global shape must be
-    a number for that: a call given a DTensor of symbolic sizes (a step compiled with dynamic
-    shapes) is traced inline, said once (``regions._say_dtensor_inline``), and a block
-    returning one is refused, naming the fix.
+    a number for that, and the placements values: a call given a DTensor of symbolic sizes (a
+    step compiled with dynamic shapes), or one still a masked partial sum (whose placement
+    holds the mask of its own call), is traced inline, said once
+    (``regions._say_dtensor_inline``), and a block returning one of symbolic sizes is
+    refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -109,7 +112,6 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile.block_fakes import fake_run
 from fsdp_compile.block_record import BlockCall, call_record
-from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.block_runtime import (
     as_dtensors,
     body_weights,
@@ -117,11 +119,13 @@ from fsdp_compile.block_runtime import (
     generator_states,
     generators_at,
     graded_like,
+    gradient_spec,
     packed_grads,
     run_backward,
     run_forward,
     token_like,
 )
+from fsdp_compile.errors import CompileUsageError
 
 __all__ = [
     "BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE", "block_calls_keep_their_buffers",
@@ -299,11 +303,11 @@ def _forward_on_locals(cls, func, types, args, kwargs):
 
 def _backward_on_locals(cls, func, types, args, kwargs):
     """``block_backward`` called with DTensors among its tensors: their gradients DTensors
-    placed as they are."""
+    placed as the body's ``DTensor.from_local`` gave them, a ``Partial`` input's replicated."""
     token, weights, tensors, grads, call, *rest = args
     results = func(token, weights, [_local(t) for t in tensors], [_local(g) for g in grads], call, *rest, **kwargs)
     at = len(results) - len(tensors)
-    return [*results[:at], *as_dtensors(results[at:], [dtensor_spec(t) for t in tensors])]
+    return [*results[:at], *as_dtensors(results[at:], [gradient_spec(dtensor_spec(t)) for t in tensors])]
 
 
 block_forward.register_torch_dispatch(DTensor, _forward_on_locals)

@@ -30,6 +30,7 @@ from fsdp_compile.block_runtime import (
     float8_weights,
     local_tensors,
     placed_inputs,
+    spec_key,
     transforms_inside,
 )
 from fsdp_compile.compat import compiling
@@ -126,7 +127,7 @@ def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copi
     symbolic = any(isinstance(s, torch.SymInt) for t in (*weights, *tensors) for s in (*t.shape, *t.stride()))
     key = (call.name, call.layout, call.recipe.key, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
            tuple(map(str, map(tensor_metadata, weights))), tuple(map(str, map(tensor_metadata, tensors))),
-           tuple(_differentiable(call, tensors)), copied_out, str(call.traced.get("tensor_specs")))
+           tuple(_differentiable(call, tensors)), copied_out, spec_key(call.traced.get("tensor_specs")))
     outputs = _fake_runs(call)
     if key not in outputs:
         # No fake mode: tensors on the meta device (the simulator's step), which run as they are.

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
@@ -263,7 +263,26 @@ def dtensor_spec(tensor: Tensor) -> tuple | None:
     # Placements of their own: the DTensor's may be objects a layer's hooks hold (a style's
     # output layouts), which the body's frame would then guard by identity, one compile a layer.
     placements = tuple(copy.copy(p) for p in tensor.placements)
-    return (tensor.device_mesh, placements, tuple(tensor.shape), tuple(tensor.stride()))
+    # Traced, the mesh is torch's stand-in for it (a FakeScriptObject); the run takes a mesh.
+    mesh = getattr(tensor.device_mesh, "real_obj", tensor.device_mesh)
+    return (mesh, placements, tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def gradient_spec(spec: tuple | None) -> tuple | None:
+    """The spec of a DTensor input's gradient as ``DTensor.from_local``'s backward gives it: a
+    ``Partial`` placement replicated (torch's ``_normalize_placements_for_grad``)."""
+    if spec is None:
+        return None
+    mesh, placements, shape, stride = spec
+    return (mesh, tuple(Replicate() if p.is_partial() else p for p in placements), shape, stride)
+
+
+def spec_key(specs: list[tuple | None] | None) -> tuple:
+    """``specs`` as a key of values only (a mesh by its shape and dimension names)."""
+    return tuple(
+        None if s is None else (tuple(s[0].shape), s[0].mesh_dim_names, tuple(map(repr, s[1])), s[2], s[3])
+        for s in specs or ()
+    )
 
 
 def as_dtensors(tensors: list[Tensor], specs: list[tuple | None]) -> list[Tensor]:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 
 from fsdp_compile import hf_caches
 from fsdp_compile.backend import compiling_backend
@@ -119,9 +120,10 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     passable = all(map(_passable, constants))
     if not passable and not said and torch.compiler.is_compiling():
         _say_inline(type(self).__name__, _first_unpassable(tuple(map(type, constants))))
-    if any(map(isinstance, leaves, itertools.repeat(DTensor))) and _symbolic_dtensors(leaves):
+    if any(map(isinstance, leaves, itertools.repeat(DTensor))) and _dtensors_kept_inline(leaves):
         # The body reads a DTensor again from its local tensor and a global shape, which a
-        # symbolic size could not give it (NOTE: DTensors at a block call, in block_call.py).
+        # symbolic size could not give it, and from its placements, of which a masked partial
+        # sum holds a mask of the call's own (NOTE: DTensors at a block call, in block_call.py).
         passable = False
         if torch.compiler.is_compiling():
             _say_dtensor_inline(type(self).__name__)
@@ -249,8 +251,10 @@ def _say_tensor_parallel_inline(block: str, module: str) -> None:
     )
 
 
-def _symbolic_dtensors(leaves: tuple) -> bool:
-    return any(isinstance(s, torch.SymInt) for t in leaves if isinstance(t, DTensor) for s in (*t.shape, *t.stride()))
+def _dtensors_kept_inline(leaves: tuple) -> bool:
+    dtensors = [t for t in leaves if isinstance(t, DTensor)]
+    symbolic = any(isinstance(s, torch.SymInt) for t in dtensors for s in (*t.shape, *t.stride()))
+    return symbolic or any(isinstance(p, MaskPartial) for t in dtensors for p in t.placements)
 
 
 @torch._dynamo.assume_constant_result
@@ -258,11 +262,13 @@ def _say_dtensor_inline(block: str) -> None:
     """Said once per block class (Python's warnings keep the first)."""
     warnings.warn(
         f"a repeated {block} is called with a DTensor of symbolic sizes (sequence parallelism "
-        "keeps the residual stream one, and the step was compiled with dynamic shapes): a "
-        "block's compiled body reads it again from its local tensor and global shape, which a "
-        "symbolic size cannot give, so each such call is traced inline in the step, as with "
-        "options={'regional': False}, and compile time grows with depth. Compile with "
-        "dynamic=False (each new length compiles the step again) to keep one body.",
+        "keeps the residual stream one, and the step was compiled with dynamic shapes), or "
+        "one still a masked partial sum (a vocabulary-parallel embedding's output before its "
+        "reduction): a block's compiled body reads it again from its local tensor, global "
+        "shape and placements, which a symbolic size or a call's own mask cannot give, so each "
+        "such call is traced inline in the step, as with options={'regional': False}, and "
+        "compile time grows with depth. Compile with dynamic=False (each new length compiles "
+        "the step again), and reduce the embedding's output before the blocks, to keep one body.",
         stacklevel=2,
     )
 

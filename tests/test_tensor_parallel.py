@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -384,6 +384,51 @@ def test_a_block_returning_a_dtensor_is_one_body_returning_it():
     (graph,) = backend.graphs
     assert sum(is_block_call(n) for n in graph.forward.graph.nodes) == LAYERS
     assert [len(graphs) for graphs in backend.bodies.values()] == [1]
+
+
+class _ReadsPartialSum(nn.Module):
+    """Given a DTensor of partial sums, it reads the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.lin(x.full_tensor())
+
+
+class _PartialSums(nn.Module):
+    def __init__(self, tp_mesh) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_ReadsPartialSum() for _ in range(LAYERS))
+        self.tp_mesh = tp_mesh
+
+    def forward(self, x):
+        for at, layer in enumerate(self.layers):
+            x = layer(DTensor.from_local(x, self.tp_mesh, [Partial()], run_check=False) if at else x)
+        return x
+
+
+@pytest.mark.structure
+def test_a_block_given_partial_sums_hands_back_the_gradient_eager_does():
+    """A body's ``DTensor.from_local`` gives a ``Partial`` input's gradient replicated (as
+    eager's does): the block call hands it back so, not as partial sums, which the graph would
+    then sum over "tp" once more (tp times the gradient)."""
+    with fake_process_group(TP):
+        mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
+        placements = {}
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model = _PartialSums(mesh["tp"])
+            fully_shard(model, mesh=mesh["dp"])
+            x = DTensor.from_local(torch.randn(3, DIM, requires_grad=True), mesh["tp"], [Partial()], run_check=False)
+            x.register_hook(lambda g, compiled=compiled: placements.__setitem__(compiled, tuple(g.placements)))
+            backend = MfsdpBackend(compiler="eager")
+            (torch.compile(model, backend=backend) if compiled else model)(x).sum().backward()
+    assert placements == {False: (Replicate(),), True: (Replicate(),)}, placements
+    (graph,) = backend.graphs
+    assert sum(is_block_call(n) for n in graph.forward.graph.nodes) == LAYERS
+    assert not _groups(graph.backward, ALL_REDUCE)
 
 
 @pytest.mark.structure
