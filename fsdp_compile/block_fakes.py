@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, get_plain_tensors
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
@@ -102,10 +102,8 @@ def _plain(values: Any) -> Iterator[Tensor]:
     """The plain tensors among ``values``, a tensor subclass's inner ones for it (a float8
     weight's data and scale)."""
     for value in values:
-        if is_traceable_wrapper_subclass(value):
-            yield from _plain([getattr(value, name) for name in value.__tensor_flatten__()[0]])
-        elif isinstance(value, Tensor):
-            yield value
+        if isinstance(value, Tensor):
+            yield from (t for t in get_plain_tensors(value, out=[]) if isinstance(t, Tensor))
 
 
 def _graph_nodes(outputs: list[Tensor]) -> Iterator[Any]:

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 from torch import fx, nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch._subclasses.fake_tensor import get_plain_tensors
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
@@ -56,22 +56,16 @@ def _source_name(node: fx.Node) -> str:
 
 def _gathered_inputs(example_inputs: list) -> tuple[int, ...]:
     """The positions of the inputs marked as gathered weights among the joint graph's inputs,
-    where AOTAutograd has opened each tensor subclass into its inner tensors (a float8
-    weight's data and scale: NOTE: float8 weights in a block call), every inner one a
-    gathered weight's too."""
+    where AOTAutograd has opened each tensor subclass into its inner tensors (torch's
+    ``get_plain_tensors``: a float8 weight's data and scale, NOTE: float8 weights in a block
+    call), every inner one a gathered weight's too."""
     gathered, at = [], 0
     for value in example_inputs:
-        width = len(_plain_leaves(value))
+        width = len(get_plain_tensors(value, out=[])) if isinstance(value, torch.Tensor) else 1
         if getattr(value, "_mfsdp_gathered", False):
             gathered.extend(range(at, at + width))
         at += width
     return tuple(gathered)
-
-
-def _plain_leaves(value) -> list:
-    if is_traceable_wrapper_subclass(value):
-        return [leaf for name in value.__tensor_flatten__()[0] for leaf in _plain_leaves(getattr(value, name))]
-    return [value]
 
 
 def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, ranks_in_step: bool) -> Plan:
