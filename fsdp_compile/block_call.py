@@ -78,7 +78,11 @@ NOTE: float8 weights in a block call
     cast it to float8), so it goes to a leaf of the weight's dtype and shape whose strides are
     all 0 (``carrier``): that leaf's gradient is the one ``block_backward`` returns for the
     weight. The body saves the data and scale only as its slots (the step gathers them again
-    for the backward), as any gathered weight.
+    for the backward), as any gathered weight. A weight the body gives no gradient (read under
+    ``torch.no_grad()``) goes to the call detached: the cast is an ``autograd.Function``,
+    whose missing gradient the compiled graph would make zeros, where eager leaves ``.grad``
+    None. The wrapper learns which from the call's fake run, done first
+    (``float8_without_gradient_detached``).
 
 NOTE: DTensors at a block call
     Sequence parallelism on an HF model keeps the residual stream a DTensor between layers
@@ -125,11 +129,10 @@ from fsdp_compile.block_runtime import (
     run_forward,
     token_like,
 )
-from fsdp_compile.errors import CompileUsageError
 
 __all__ = [
     "BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE", "block_calls_keep_their_buffers",
-    "block_ops_take_float8_weights",
+    "block_ops_take_float8_weights", "float8_without_gradient_detached",
 ]
 
 
@@ -165,8 +168,6 @@ def _(
     # autograd, where nothing requires a gradient. The fake run differentiates as they do.
     call_record(call).traced.setdefault("differentiable", [t.requires_grad for t in tensors])
     record = _traced(call, weights, tensors, copied_out)
-    if record.train and record.float8:
-        _refuse_float8_without_gradient(record)
     outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in record.traced["outputs"]]
     return [*outputs, token_like([*weights, *tensors])]
 
@@ -179,26 +180,6 @@ def _traced(call: int, weights: list[Tensor], tensors: list[Tensor], copied_out:
     if record.train:
         record.block()._mfsdp_note_graded(record.traced["graded"])
     return record
-
-
-def _refuse_float8_without_gradient(record: BlockCall) -> None:
-    """A float8 weight that requires a gradient but gets none in the body's backward (read
-    under ``torch.no_grad()``, or not read) would be handed zeros: its float8 cast, in the
-    step's graph, is a Function whose missing gradient the compiled graph makes zeros, where
-    eager leaves ``.grad`` None and the optimizer skips the weight (NOTE: parameters without a
-    gradient, in block_fakes.py)."""
-    block = record.block()
-    alone = record.traced["graded"][len(record.flats) :]
-    for (path, param), read, flags in zip(block._mfsdp_region_params.items(), record.float8, alone):
-        if read is not None and param.requires_grad and not any(flags):
-            raise CompileUsageError(
-                f"a repeated {type(block).__name__}'s float8 weight {path} gets no gradient in "
-                "its backward (read under torch.no_grad(), or not read): its compiled body "
-                "would hand it zeros, and AdamW would decay it. Compile with "
-                "options={'regional': False} (its .grad then stays None), leave the linear out "
-                "of the float8 conversion (convert_to_float8_training(..., module_filter_fn=...)), "
-                "or set its requires_grad to False."
-            )
 
 
 @torch.library.custom_op("fsdp_compile::block_graded", mutates_args=())
@@ -323,6 +304,25 @@ def block_ops_take_float8_weights() -> None:
 
     for op, weights_at in ((block_forward, 0), (block_graded, 0), (block_backward, 1)):
         op.register_torch_dispatch(Float8TrainingTensor, functools.partial(_float8_as_parts, weights_at))
+
+
+def float8_without_gradient_detached(gathered: list[Tensor], tensors: list[Tensor], call: int, at: int) -> list[Tensor]:
+    """Traced in a training call's wrapper: the gathered weights (those on their own from
+    ``at``), each float8 one the call's body gives no gradient detached (NOTE: float8 weights
+    in a block call). The call's fake run, done first, says which (``BLOCK_GRADED``: nobody
+    reads its token, so nothing of it runs)."""
+    BLOCK_GRADED(gathered, tensors, call)
+    idle = _float8_without_gradient(call)
+    return [*gathered[:at], *(g.detach() if i else g for g, i in zip(gathered[at:], idle))]
+
+
+@torch._dynamo.assume_constant_result
+def _float8_without_gradient(call: int) -> tuple[bool, ...]:
+    """Per weight the call gathers on its own, whether it is a float8 one its fake run gave
+    no gradient (read under ``torch.no_grad()``, or not read)."""
+    record = call_record(call)
+    alone = record.traced["graded"][len(record.flats) :]
+    return tuple(read is not None and not any(flags) for read, flags in zip(record.float8, alone))
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 
 from fsdp_compile import hf_caches
 from fsdp_compile.backend import compiling_backend
-from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_float8_weights
+from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_float8_weights, float8_without_gradient_detached
 from fsdp_compile.block_record import BlockCall, FlatCopy, register_call
 from fsdp_compile.block_runtime import as_dtensors, autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat, note_graded
@@ -57,16 +57,7 @@ from fsdp_compile.gathered_reads import copied_module, float8_read, unshard_mark
 from fsdp_compile.records import next_param_id, shard_info
 from fsdp_compile.region_body import region_body, region_inline, structure
 from fsdp_compile.region_tables import (
-    BLOCK_KEYS,
-    BLOCKS,
-    RECIPES,
-    RegionLayout,
-    call_layout,
-    call_output_form,
-    gather_recipe,
-    layers_of,
-    opened_at,
-    param_at,
+    BLOCK_KEYS, BLOCKS, RECIPES, RegionLayout, call_layout, call_output_form, gather_recipe, layers_of, opened_at, param_at,
 )
 from fsdp_compile.side_outputs import mixes_tensor_parallel_hooks, replay, stand_in_leaves
 from fsdp_compile.state_loading import materialise_loaded_flats
@@ -143,6 +134,8 @@ def _region_forward(self: nn.Module, *args, **kwargs):
             # gathered by its own read: one without a gradient keeps None.
             return self._mfsdp_region_forward(*args, **kwargs)
         return region_inline(self, layout, recipe, *gathered, *given)
+    if train and any(float8):
+        gathered = float8_without_gradient_detached(gathered, tensors, call, len(flats))
     outputs = BLOCK_FORWARD(gathered, tensors, call)
     form, own, side, specs = call_output_form(call)
     if specs:  # NOTE: DTensors at a block call, in block_call.py
