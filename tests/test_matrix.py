@@ -8,8 +8,8 @@ MoE model on dp 2 x tp 2, its attention outputs split over "tp", its experts ove
 APIs: training
 to parity, debug dumps, ``explain``, the bench's collective census, gradient accumulation,
 both clip functions, full and sharded state dicts, DCP save/load, meta-device init,
-activation checkpointing (with dropout), the ``cuda_graph`` check, float8 (torchao) weights and
-``copy.deepcopy``. Each pair is one test: it fails if the
+activation checkpointing (with dropout), the ``cuda_graph`` check, float8 (torchao) weights,
+``copy.deepcopy`` and an evaluation between steps. Each pair is one test: it fails if the
 API raises on that layout or its result is wrong. The bug class this catches: code written for
 one strategy (a reader that took every collective for a gather or a reduce-scatter crashed
 the dumps and ``explain`` for ``no_shard``, ``optim`` and HSDP; Megatron-FSDP's ``no_shard``
@@ -56,6 +56,7 @@ from harness import (
     checkpoint_save_run,
     float8_model,
     full_parameters,
+    global_batch,
     max_param_error,
     mean_over_ranks,
     moe_config,
@@ -426,6 +427,40 @@ def _deepcopy(ctx: RankContext) -> dict:
     return {**result, "at_copy": at_copy, "original_moved": max_param_error(full_parameters(model), before)}
 
 
+def _evaluation(ctx: RankContext) -> dict:
+    """An evaluation between training steps, as a training loop runs one: ``model.eval()``, a
+    forward under ``torch.no_grad()`` and one under ``torch.inference_mode()`` (each a graph
+    of its own), then ``model.train()``. The trained model's logits equal the unsharded
+    model's at its weights, and the training step right after gives the gradients the
+    unsharded model gets on the global batch (one the evaluation left a gathered weight,
+    a buffer or an inference tensor to would not), idle parameters keeping None."""
+    model = _trained(ctx)
+    cfg = ctx.layout.cfg
+    unsharded = build_model(cfg)
+    unsharded.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+    tokens, targets = rank_batches(cfg, ctx.data_rank)(STEPS)
+    with torch.no_grad():
+        expected = unsharded.eval()(tokens)
+    errors = {}
+    model.eval()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            errors[mode.__name__] = relative_error(ctx.trained_forward(tokens), expected)
+    model.train()
+    model.zero_grad()
+    loss_fn(ctx.trained_forward(tokens), targets).backward()
+    inputs, labels = global_batch(cfg, STEPS, ctx.data_world)
+    loss_fn(unsharded.train()(inputs), labels).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    expected_grads = {n: p.grad for n, p in unsharded.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return {
+        **errors,
+        "grad_names": sorted(grads) == sorted(expected_grads),
+        "grad_error": max_param_error(grads, {n: expected_grads[n] for n in grads}),
+    }
+
+
 APIS = {
     "train": _train,
     "clip_torch": _clip_torch,
@@ -442,6 +477,7 @@ APIS = {
     "cuda_graph_check": _cuda_graph_check,
     "float8": _float8,
     "deepcopy": _deepcopy,
+    "evaluation": _evaluation,
 }
 
 
@@ -492,6 +528,8 @@ def _check(api: str, layout: Layout, r: dict) -> None:
             assert _close(r[run], "loss_error", "param_error", bound=bound), r
     elif api in ("clip_fsdp_compile", "meta_init"):
         assert _close(r, "loss_error", "param_error", bound=bound), r
+    elif api == "evaluation":
+        assert r["grad_names"] and _close(r, "no_grad", "inference_mode", "grad_error", bound=bound), r
     elif api == "deepcopy":
         assert r["at_copy"][0] == 0 and r["original_moved"][0] == 0, r
         assert _close(r, "loss_error", "param_error", bound=bound), r
