@@ -185,7 +185,8 @@ def _traced(call: int, weights: list[Tensor], tensors: list[Tensor], copied_out:
 @torch.library.custom_op("fsdp_compile::block_graded", mutates_args=())
 def block_graded(weights: list[Tensor], tensors: list[Tensor], call: int) -> Tensor:
     """Traced, the fake run of a block call traced inline (``regional=False``), for what its
-    flats' members get a gradient (see NOTE: parameters without a gradient, in block_fakes.py).
+    flats' members get a gradient (see NOTE: parameters without a gradient, in block_fakes.py),
+    or of a call given float8 weights, for which get none (``float8_without_gradient_detached``).
     Its result is a token nobody reads, so Dynamo's dead-code elimination drops the node:
     nothing runs."""
     return token_like([*weights, *tensors])
@@ -310,7 +311,7 @@ def float8_without_gradient_detached(gathered: list[Tensor], tensors: list[Tenso
     """Traced in a training call's wrapper: the gathered weights (those on their own from
     ``at``), each float8 one the call's body gives no gradient detached (NOTE: float8 weights
     in a block call). The call's fake run, done first, says which (``BLOCK_GRADED``: nobody
-    reads its token, so nothing of it runs)."""
+    reads its token: ``drop_block_probes`` removes it)."""
     BLOCK_GRADED(gathered, tensors, call)
     idle = _float8_without_gradient(call)
     return [*gathered[:at], *(g.detach() if i else g for g, i in zip(gathered[at:], idle))]

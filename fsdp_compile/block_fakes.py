@@ -123,7 +123,7 @@ def fake_run(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copi
     # Static shapes give the same answer in every fake mode (Dynamo's, then AOTAutograd's):
     # one run serves both. Symbolic ones belong to their mode's shape environment.
     symbolic = any(isinstance(s, torch.SymInt) for t in (*weights, *tensors) for s in (*t.shape, *t.stride()))
-    key = (call.name, call.layout, call.recipe.key, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
+    key = (call.name, call.flags, call.layout, call.recipe.key, call.constants, call.train, call.autocast, id(fake_mode) if symbolic else None,
            tuple(map(str, map(tensor_metadata, weights))), tuple(map(str, map(tensor_metadata, tensors))),
            tuple(_differentiable(call, tensors)), copied_out, spec_key(call.traced.get("tensor_specs")))
     outputs = _fake_runs(call)
@@ -365,7 +365,11 @@ class _Graded:
         stays None, as at the root. Each traced call tells its block's flats which members to
         hand out; a call traced inline (``regional=False``) is fake-run for that alone
         (``block_graded``). Run eagerly, the copy-out's own node says so at each backward
-        (``region_body.region_inline``).
+        (``region_body.region_inline``). Layers alike in structure may still differ in a flag
+        (``self.frozen = True`` on one: its gate read under ``torch.no_grad()``), so a fake
+        run serves only calls whose block holds the same flags (``block_record.python_flags``:
+        bools, strings, enums, Nones; not a number, nor a flag inside a container, nor one
+        changed after the step was compiled, as Dynamo's guards on the step do not read it).
     """
 
     def __init__(self, outputs: list[Tensor], weights: list[Tensor]) -> None:

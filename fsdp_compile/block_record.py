@@ -4,12 +4,13 @@ carries (NOTE: one op per block call, in block_call.py), and the form of a body'
 
 from __future__ import annotations
 
+import enum
 import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from fsdp_compile.errors import CompileUsageError
 
@@ -73,6 +74,8 @@ class BlockCall:
     """Per weight gathered on its own (after the flats), ``(Float8Gather, dtype)`` for a float8
     weight, which the op takes as its float8 data and scale, else None (NOTE: float8 weights
     in a block call, in block_call.py); empty where there is none."""
+    flags: tuple = ()
+    """The block's Python flags, which the fake run is keyed by (``python_flags``)."""
     traced: dict = field(default_factory=dict)
     """Filled by the fake kernel: ``differentiable`` (which tensor leaves need a gradient),
     ``outputs`` (the metadata of the block's tensor outputs, then of its side values: NOTE:
@@ -115,6 +118,33 @@ def call_record(index: int) -> BlockCall:
             "object torch.compile returned (it holds the backend) for as long as you run the step."
         )
     return record
+
+
+def python_flags(block: nn.Module) -> tuple:
+    """The flags the block's modules hold, by path and name: what a layer's Python may branch
+    on, unlike its siblings of one structure, to read a weight under ``torch.no_grad()`` or
+    return other outputs (NOTE: parameters without a gradient, in block_fakes.py). A flag is
+    a bool (numpy's too), a string (a ``str`` enum too), an enum or None. Numbers are left
+    out, as what is held inside a container: each would split layers that differ in a value
+    no weight's gradient hangs on (HF's ``layer_idx``, torchtitan's per-layer init scale,
+    PEFT's per-layer target names), and a fake run per layer costs about half a first step
+    more at 32 layers."""
+    return tuple(
+        (path, name, flag)
+        for path, module in block.named_modules()
+        for name, value in vars(module).items()
+        if name != "training" and not name.startswith("_mfsdp") and (flag := _flag(value)) is not _NOT_A_FLAG
+    )
+
+
+_NOT_A_FLAG = object()
+
+
+def _flag(value: Any) -> Any:
+    """``value`` as a flag, or ``_NOT_A_FLAG``."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()  # a numpy scalar, without importing numpy
+    return value if value is None or isinstance(value, (bool, str, enum.Enum)) else _NOT_A_FLAG
 
 
 def tensor_metadata(tensor: Tensor) -> tuple:

@@ -50,7 +50,7 @@ from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from fsdp_compile import hf_caches
 from fsdp_compile.backend import compiling_backend
 from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_float8_weights, float8_without_gradient_detached
-from fsdp_compile.block_record import BlockCall, FlatCopy, register_call
+from fsdp_compile.block_record import BlockCall, FlatCopy, python_flags, register_call
 from fsdp_compile.block_runtime import as_dtensors, autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat, note_graded
 from fsdp_compile.gathered_reads import copied_module, float8_read, unshard_marker
@@ -175,7 +175,7 @@ def _block_call(
     call = register_call(BlockCall(
         block=weakref.ref(block), body=region_body, name=name, layout=layout, recipe=traced_with,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
-        autocast=autocast_state(), flats=flats, float8=traced_with.value[5],
+        autocast=autocast_state(), flats=flats, float8=traced_with.value[5], flags=python_flags(block),
     ), backend.calls)
     return call, not backend.options.regional
 

@@ -551,6 +551,23 @@ FLOAT8_CFG = TransformerConfig(vocab=67, dim=64, n_layers=2, n_heads=4, hidden=1
 """The test transformer with every linear but the head (67 rows) in multiples of 16."""
 
 
+class GatedLayer(torch.nn.Module):
+    """A ``frozen`` layer reads its gate under ``torch.no_grad()``, so the gate's weight gets
+    no gradient there; the flag is a plain attribute, so layers of both kinds are alike in
+    structure (NOTE: parameters without a gradient, in fsdp_compile/block_fakes.py)."""
+
+    def __init__(self, dim: int, frozen: bool) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(dim, dim, bias=False)
+        self.gate = torch.nn.Linear(dim, dim, bias=False)
+        self.frozen = frozen
+
+    def forward(self, h):
+        with torch.no_grad() if self.frozen else contextlib.nullcontext():
+            gate = self.gate(h).sigmoid()
+        return h + self.a(h) * gate
+
+
 def float8_model(cfg: TransformerConfig = FLOAT8_CFG, seed: int = 0, filtered: bool = True):
     """``build_model`` with torchao float8 linears gathered in float8
     (``enable_fsdp_float8_all_gather=True``); ``filtered`` leaves out the linears the float8

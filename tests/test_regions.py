@@ -28,6 +28,7 @@ from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives, is_all_gather
 from fsdp_compile.regions import is_region
 from harness import (
+    GatedLayer,
     assert_parity,
     build_model,
     fake_process_group,
@@ -348,6 +349,58 @@ def test_a_layer_that_differs_gets_its_own_body(how):
         assert list(result["calls"].values()) == [CFG.n_layers] and result["compiles"] == 1, result
     else:  # layer 2: a body of its own (another structure), or the same body compiled again
         assert result["compiles"] == 2, result
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("frozen", ["FTF", "FFT"])
+def test_layers_whose_flag_decides_which_weights_train_keep_eager_s_none_and_gradients(frozen):
+    """Layers 1 and 2 are called alike (an input that needs a gradient), so a fake run keyed
+    by the call alone served both: FTF gave layer 2's gate None where eager trains it, FFT
+    gave layer 2's zeros where eager leaves None. Their flags tell them apart (NOTE:
+    parameters without a gradient, in block_fakes.py); one gloo rank, real values."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(GatedLayer(16, f == "T") for f in frozen))
+    model = copy.deepcopy(reference)
+    h = torch.randn(2, 8, 16)
+    reference(h).sum().backward()
+    with one_rank_group():
+        fully_shard(model)
+        torch.compile(model, backend=MfsdpBackend(compiler="eager"))(h).sum().backward()
+        expected = {n: p.grad for n, p in reference.named_parameters()}
+        assert {n for n, p in model.named_parameters() if p.grad is None} == {n for n, g in expected.items() if g is None}
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                assert relative_error(param.grad.full_tensor(), expected[name]) < 1e-6, name
+
+
+@pytest.mark.structure
+def test_the_flags_that_tell_layers_apart_are_bools_strings_enums_and_nones():
+    """``python_flags``, which keys the fake runs: a flag in any of its forms (an underscore
+    name, a ``str`` enum as HF's ``ExplicitEnum``, numpy's bool) tells two layers apart; a
+    number (HF's ``layer_idx``, a per-layer init scale) and a container's contents do not."""
+    import enum
+
+    import numpy as np
+
+    from fsdp_compile.block_record import python_flags
+
+    class Mode(str, enum.Enum):
+        TRAIN = "train"
+        FROZEN = "frozen"
+
+    def layers(name, a, b):
+        first, second = GatedLayer(16, False), GatedLayer(16, False)
+        setattr(first, name, a)
+        setattr(second, name, b)
+        return python_flags(first), python_flags(second)
+
+    for name, a, b in (("_frozen", True, False), ("mode", Mode.TRAIN, Mode.FROZEN), ("on", np.bool_(True), np.bool_(False)),
+                       ("kind", "sliding", "full"), ("window", 8, None)):
+        first, second = layers(name, a, b)
+        assert first != second, name
+    for name, a, b in (("layer_idx", 0, 1), ("weight_init_std", 0.02, 0.01), ("kwargs", {"target": "a"}, {"target": "b"})):
+        first, second = layers(name, a, b)
+        assert first == second, name
 
 
 class _ScaledBlock(nn.Module):

@@ -1,4 +1,5 @@
-"""Pass (Dynamo graph): the fake-run probes of blocks traced inline leave no node behind."""
+"""Pass (Dynamo graph): the fake-run probes of blocks traced inline, and of block calls given
+float8 weights, leave no node behind."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from fsdp_compile.plan import Plan
 def drop_block_probes(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Afterwards no ``block_graded`` node is left. Each did its work while Dynamo traced it
     (its fake kernel's run of the block, see NOTE: parameters without a gradient, in
-    fsdp_compile/block_fakes.py); its token is read by nobody, and Dynamo keeps custom-op
+    fsdp_compile/block_fakes.py, and NOTE: float8 weights in a block call, in
+    fsdp_compile/block_call.py); its token is read by nobody, and Dynamo keeps custom-op
     calls whatever reads them."""
     probes = [n for n in gm.graph.nodes if is_block_probe(n)]
     if not probes:
