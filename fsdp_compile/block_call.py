@@ -187,8 +187,8 @@ def block_graded(weights: list[Tensor], tensors: list[Tensor], call: int) -> Ten
     """Traced, the fake run of a block call traced inline (``regional=False``), for what its
     flats' members get a gradient (see NOTE: parameters without a gradient, in block_fakes.py),
     or of a call given float8 weights, for which get none (``float8_without_gradient_detached``).
-    Its result is a token nobody reads, so Dynamo's dead-code elimination drops the node:
-    nothing runs."""
+    Its result is a token nobody reads, and the pass ``drop_block_probes`` removes the node
+    (Dynamo keeps a custom op's call whatever reads it): nothing runs."""
     return token_like([*weights, *tensors])
 
 

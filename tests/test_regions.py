@@ -11,10 +11,12 @@ for layer 0 with its value baked in is off by far more than rounding.
 from __future__ import annotations
 
 import copy
+import enum
 import gc
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from torch import nn
 from fsdp_compile.node_meta import PREFETCH
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.block_call import BLOCK_FORWARD
-from fsdp_compile.block_record import call_record, register_call
+from fsdp_compile.block_record import call_record, python_flags, register_call
 from fsdp_compile.testing.models import RMSNorm, TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives, is_all_gather
@@ -378,11 +380,6 @@ def test_the_flags_that_tell_layers_apart_are_bools_strings_enums_and_nones():
     """``python_flags``, which keys the fake runs: a flag in any of its forms (an underscore
     name, a ``str`` enum as HF's ``ExplicitEnum``, numpy's bool) tells two layers apart; a
     number (HF's ``layer_idx``, a per-layer init scale) and a container's contents do not."""
-    import enum
-
-    import numpy as np
-
-    from fsdp_compile.block_record import python_flags
 
     class Mode(str, enum.Enum):
         TRAIN = "train"
