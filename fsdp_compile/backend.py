@@ -30,7 +30,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx.graph import _BoxedCodeGen
 
-from fsdp_compile.block_call import block_calls_keep_their_buffers
+from fsdp_compile.block_call import block_calls_keep_their_buffers, note_traced_grading
 from fsdp_compile.block_record import call_record
 from fsdp_compile.block_runtime import PendingGraphs
 from fsdp_compile.compat import compile_caches_work, missing_gradients_stay_missing
@@ -115,15 +115,16 @@ def _keeping_block_buffers(compile_graph: Callable) -> Callable:
     return compile_keeping
 
 
-def _sweeping_pending(compiled: Callable, backend: Callable) -> Callable:
-    """``compiled``, dropping first the block calls' autograd graphs no backward can take any
-    more (``PendingGraphs.sweep``: a forward whose loss was dropped undifferentiated, as in a
-    validation pass with gradients on, would otherwise hold its activations into this step)."""
+def _with_block_calls(compiled: Callable, calls: tuple) -> Callable:
+    """``compiled``, first noting which weights its calls' backward grades (``note_traced_grading``)
+    and dropping the calls' autograd graphs no backward can take any more (``PendingGraphs.sweep``:
+    a forward whose loss was dropped undifferentiated, as in a validation pass with gradients
+    on, would otherwise hold its activations into this step)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        owner = backend()
-        if owner is not None:
+        if (owner := calls[0].backend()) is not None:
             owner.pending.sweep()
+        note_traced_grading(calls)
         return compiled(*args, **kwargs)
 
     # What AOTAutograd's callable carries (``serialize``, ``zero_grad``...) stays readable.
@@ -198,7 +199,7 @@ class CompiledGraph:
         model's memory for the life of the process."""
         compiled = self._compile_stages(example_inputs)
         if self.calls:
-            compiled = _sweeping_pending(compiled, self.calls[0].backend)
+            compiled = _with_block_calls(compiled, self.calls)
         return self._dump_frame(compiled) if self._dump_frame else compiled
 
     def _compile_stages(self, example_inputs: list) -> Callable:

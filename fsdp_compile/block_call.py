@@ -132,7 +132,7 @@ from fsdp_compile.block_runtime import (
 
 __all__ = [
     "BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE", "block_calls_keep_their_buffers",
-    "block_ops_take_float8_weights", "float8_without_gradient_detached",
+    "block_ops_take_float8_weights", "float8_without_gradient_detached", "note_traced_grading",
 ]
 
 
@@ -180,6 +180,15 @@ def _traced(call: int, weights: list[Tensor], tensors: list[Tensor], copied_out:
     if record.train:
         record.block()._mfsdp_note_graded(record.traced["graded"])
     return record
+
+
+def note_traced_grading(calls: tuple[BlockCall, ...]) -> None:
+    """Tell the flats of each training call's block which members its backward gives a
+    gradient, as the call's fake run found; run as a compiled graph starts, since the step
+    traced again (a flag changed) found otherwise, and its earlier version may be back in use."""
+    for call in calls:
+        if call.train and (block := call.block()) is not None:
+            block._mfsdp_note_graded(call.traced["graded"])
 
 
 @torch.library.custom_op("fsdp_compile::block_graded", mutates_args=())

@@ -368,8 +368,10 @@ class _Graded:
         (``region_body.region_inline``). Layers alike in structure may still differ in a flag
         (``self.frozen = True`` on one: its gate read under ``torch.no_grad()``), so a fake
         run serves only calls whose block holds the same flags (``block_record.python_flags``:
-        bools, strings, enums, Nones; not a number, nor a flag inside a container, nor one
-        changed after the step was compiled, as Dynamo's guards on the step do not read it).
+        bools, strings, enums, Nones; not a number, nor a flag inside a container). The
+        region's wrapper reads the flags where Dynamo guards them, so a flag changed after the
+        step compiled traces it again; as each version of the step may run again later, each
+        tells the flats what its own calls found as it starts (``note_traced_grading``).
     """
 
     def __init__(self, outputs: list[Tensor], weights: list[Tensor]) -> None:

@@ -133,10 +133,19 @@ def python_flags(block: nn.Module) -> tuple:
         (path, name, flag)
         for path, module in block.named_modules()
         for name, value in vars(module).items()
-        if name != "training" and not name.startswith("_mfsdp") and (flag := _flag(value)) is not _NOT_A_FLAG
+        if name not in _BOOKKEEPING and not name.startswith("_mfsdp") and (flag := _flag(value)) is not _NOT_A_FLAG
     )
 
 
+def flag_sources(block: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where the block's flags are (``python_flags``): the paths of their modules, their names."""
+    flags = python_flags(block)
+    return tuple(path for path, _, _ in flags), tuple(name for _, name, _ in flags)
+
+
+_BOOKKEEPING = frozenset((*vars(nn.Module()), "_is_hf_initialized"))
+"""What torch's modules (``training``, ``_is_full_backward_hook``) and HF's loading set: no
+layer's arithmetic branches on it."""
 _NOT_A_FLAG = object()
 
 

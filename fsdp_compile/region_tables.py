@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_compile.block_record import Recipe, call_record
+from fsdp_compile.block_record import Recipe, call_record, flag_sources
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.flat_params import check_linked
 from fsdp_compile.gathered_reads import marker_args
@@ -57,6 +57,14 @@ def gather_recipe(block_key: int) -> tuple:
         tuple(shard_info(p).float8 is not None for p in block._mfsdp_region_params.values()),
         _recipe_key(block),
     )
+
+
+@torch._dynamo.assume_constant_result
+def block_flag_sources(block_key: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where the flags of the block ``block_key`` are (run, not traced, by Dynamo): the
+    wrapper reads them traced, so that a flag changed after the step compiled fails its guards
+    (NOTE: parameters without a gradient, in block_fakes.py)."""
+    return flag_sources(BLOCKS[block_key])
 
 
 # How gathered values become a block's parameters: per flat, ``split_gathered``'s arguments and

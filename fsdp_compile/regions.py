@@ -50,14 +50,14 @@ from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from fsdp_compile import hf_caches
 from fsdp_compile.backend import compiling_backend
 from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_float8_weights, float8_without_gradient_detached
-from fsdp_compile.block_record import BlockCall, FlatCopy, python_flags, register_call
+from fsdp_compile.block_record import BlockCall, FlatCopy, register_call
 from fsdp_compile.block_runtime import as_dtensors, autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat, note_graded
 from fsdp_compile.gathered_reads import copied_module, float8_read, unshard_marker
 from fsdp_compile.records import next_param_id, shard_info
 from fsdp_compile.region_body import region_body, region_inline, structure
 from fsdp_compile.region_tables import (
-    BLOCK_KEYS, BLOCKS, RECIPES, RegionLayout, call_layout, call_output_form, gather_recipe, layers_of, opened_at, param_at,
+    BLOCK_KEYS, BLOCKS, RECIPES, RegionLayout, block_flag_sources, call_layout, call_output_form, gather_recipe, layers_of, opened_at, param_at,
 )
 from fsdp_compile.side_outputs import mixes_tensor_parallel_hooks, replay, stand_in_leaves
 from fsdp_compile.state_loading import materialise_loaded_flats
@@ -120,7 +120,7 @@ def _region_forward(self: nn.Module, *args, **kwargs):
             _say_dtensor_inline(type(self).__name__)
     train = torch.is_grad_enabled()
     call, inline = (
-        _block_call(self._mfsdp_region_key, layout, recipe, is_tensor, constants, train) if stood_in and passable else (-1, True)
+        _block_call(self._mfsdp_region_key, layout, recipe, is_tensor, constants, train, _flags(self)) if stood_in and passable else (-1, True)
     )
     tensors = list(map(operator.getitem, itertools.repeat(leaves), tensor_at))
     if inline:  # run eagerly, or traced inline
@@ -152,9 +152,16 @@ def _note_graded(self: nn.Module, graded: list[tuple[bool, ...]]) -> None:
         note_graded(flat, flags, traced=True)
 
 
+def _flags(block: nn.Module) -> tuple:
+    """The block's flags, read where Dynamo guards them: a flag changed later traces the step
+    again, and the fake run (keyed by them) is redone for the new value."""
+    paths, names = block_flag_sources(block._mfsdp_region_key) if torch.compiler.is_compiling() else ((), ())
+    return tuple(map(getattr, map(block.get_submodule, paths), names))
+
+
 @torch._dynamo.assume_constant_result
 def _block_call(
-    block_key: int, layout: str, recipe: str, is_tensor: tuple[bool, ...], constants: tuple, train: bool
+    block_key: int, layout: str, recipe: str, is_tensor: tuple[bool, ...], constants: tuple, train: bool, flags: tuple
 ) -> tuple[int, bool]:
     """The call of the block ``block_key`` (an index, see fsdp_compile/block_record.py), and
     whether its body runs inline (run, not traced, by Dynamo): outside a compile by mfsdp
@@ -175,7 +182,7 @@ def _block_call(
     call = register_call(BlockCall(
         block=weakref.ref(block), body=region_body, name=name, layout=layout, recipe=traced_with,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
-        autocast=autocast_state(), flats=flats, float8=traced_with.value[5], flags=python_flags(block),
+        autocast=autocast_state(), flats=flats, float8=traced_with.value[5], flags=flags,
     ), backend.calls)
     return call, not backend.options.regional
 

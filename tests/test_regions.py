@@ -376,6 +376,35 @@ def test_layers_whose_flag_decides_which_weights_train_keep_eager_s_none_and_gra
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("regional", [True, False])
+def test_a_flag_changed_between_steps_is_seen_in_the_gradients_that_stay_none(regional):
+    """Layer 1 frozen for one step, then trained, then frozen again: each change traces the
+    step again (its flags are guarded), and the step compiled first, back in use, hands out
+    gradients as its own fake runs found, not as the latest trace's (NOTE: parameters without
+    a gradient, in block_fakes.py). Before, the first step's answer held: zeros where eager
+    leaves None. One gloo rank, real values."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(GatedLayer(16, False) for _ in range(3)))
+    model = copy.deepcopy(reference)
+    h = torch.randn(2, 8, 16)
+    with one_rank_group():
+        fully_shard(model)
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=regional))
+        for frozen in ("FFF", "FTF", "FFF", "FTF"):
+            for layers in (reference, model):
+                for layer, flag in zip(layers, frozen):
+                    layer.frozen = flag == "T"
+                layers.zero_grad(set_to_none=True)
+            reference(h).sum().backward()
+            step(h).sum().backward()
+            expected = {n: p.grad for n, p in reference.named_parameters()}
+            assert {n for n, p in model.named_parameters() if p.grad is None} == {n for n, g in expected.items() if g is None}, frozen
+            for name, param in model.named_parameters():
+                if param.grad is not None:
+                    assert relative_error(param.grad.full_tensor(), expected[name]) < 1e-6, (frozen, name)
+
+
+@pytest.mark.structure
 def test_the_flags_that_tell_layers_apart_are_bools_strings_enums_and_nones():
     """``python_flags``, which keys the fake runs: a flag in any of its forms (an underscore
     name, a ``str`` enum as HF's ``ExplicitEnum``, numpy's bool) tells two layers apart; a
