@@ -37,7 +37,7 @@ from fsdp_compile.compat import compile_caches_work, missing_gradients_stay_miss
 from fsdp_compile.debug import GraphDumper, debug_dir, frame_dumper
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.passes.check_graph_breaks import graph_break
-from fsdp_compile.patterns import is_block_call, is_block_forward, is_block_probe
+from fsdp_compile.patterns import is_block_call, named_calls
 from fsdp_compile.pipeline import Stage, build_pipeline
 from fsdp_compile.plan import BackendOptions, Plan
 from fsdp_compile.planner import build_plan
@@ -137,7 +137,7 @@ class CompiledGraph:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, options: BackendOptions, ranks_in_step: bool) -> None:
         self.plan: Plan = build_plan(gm, example_inputs, options, ranks_in_step)
-        self.calls = tuple(call_record(n.args[2]) for n in gm.graph.nodes if is_block_forward(n) or is_block_probe(n))
+        self.calls = tuple(map(call_record, named_calls(gm)))
         """The block calls this graph names, kept by the graph too: one kept for inspection
         (the simulator, ``explain``) reads them after its backend is gone."""
         self.pipeline = build_pipeline(self.plan)

@@ -108,10 +108,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from typing import Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile.block_fakes import fake_run
@@ -129,6 +130,7 @@ from fsdp_compile.block_runtime import (
     run_forward,
     token_like,
 )
+from fsdp_compile.flat_params import note_block_graded
 
 __all__ = [
     "BLOCK_FORWARD", "BLOCK_BACKWARD", "BLOCK_GRADED", "RNG_STATE", "block_calls_keep_their_buffers",
@@ -178,17 +180,23 @@ def _traced(call: int, weights: list[Tensor], tensors: list[Tensor], copied_out:
     record = call_record(call)
     record.traced.update(fake_run(record, weights, tensors, copied_out))
     if record.train:
-        record.block()._mfsdp_note_graded(record.traced["graded"])
+        note_block_graded(record.block(), record.traced["graded"], traced=True)
     return record
 
 
 def note_traced_grading(calls: tuple[BlockCall, ...]) -> None:
     """Tell the flats of each training call's block which members its backward gives a
-    gradient, as the call's fake run found; run as a compiled graph starts, since the step
-    traced again (a flag changed) found otherwise, and its earlier version may be back in use."""
+    gradient, as the call's fake run found (a block called twice: either call); run as a
+    compiled graph starts, since the step traced again (a flag changed) found otherwise, and
+    its earlier version may be back in use. A body's backward says so again as it runs
+    (``run_backward``); a call traced inline has no such backward."""
+    graded: dict[nn.Module, list] = {}
     for call in calls:
         if call.train and (block := call.block()) is not None:
-            block._mfsdp_note_graded(call.traced["graded"])
+            before = graded.setdefault(block, call.traced["graded"])
+            graded[block] = [tuple(map(operator.or_, a, b)) if a and b else a or b for a, b in zip(before, call.traced["graded"])]
+    for block, flags in graded.items():
+        note_block_graded(block, flags, traced=True)
 
 
 @torch.library.custom_op("fsdp_compile::block_graded", mutates_args=())

@@ -369,9 +369,15 @@ class _Graded:
         (``self.frozen = True`` on one: its gate read under ``torch.no_grad()``), so a fake
         run serves only calls whose block holds the same flags (``block_record.python_flags``:
         bools, strings, enums, Nones; not a number, nor a flag inside a container). The
-        region's wrapper reads the flags where Dynamo guards them, so a flag changed after the
-        step compiled traces it again; as each version of the step may run again later, each
-        tells the flats what its own calls found as it starts (``note_traced_grading``).
+        region's wrapper reads the flags where Dynamo guards them (not numpy's bools, which
+        Dynamo takes as no constant), so a flag changed after the step compiled traces it
+        again. As each version of the step may run again later, each body's backward tells
+        its flats what its call's fake run found as it runs (``run_backward``), added to what
+        the others found since the flat's last hand-out (a layer called twice, micro-batches
+        accumulated); each graph also tells them as it starts, for calls traced inline
+        (``note_traced_grading``). A flag the step's own code sets before a call is written
+        only after the step's graph ran, so such a call is traced inline
+        (``block_record.written_in_trace``).
     """
 
     def __init__(self, outputs: list[Tensor], weights: list[Tensor]) -> None:

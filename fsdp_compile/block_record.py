@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -14,7 +15,7 @@ from torch import Tensor, nn
 
 from fsdp_compile.errors import CompileUsageError
 
-__all__ = ["BlockCall", "FlatCopy", "Recipe", "register_call", "call_record"]
+__all__ = ["BlockCall", "FlatCopy", "Recipe", "register_call", "call_record", "python_flags", "flag_sources", "written_in_trace"]
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,40 @@ def python_flags(block: nn.Module) -> tuple:
     )
 
 
-def flag_sources(block: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Where the block's flags are (``python_flags``): the paths of their modules, their names."""
-    flags = python_flags(block)
-    return tuple(path for path, _, _ in flags), tuple(name for _, name, _ in flags)
+def flag_sources(block: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Where the block's flags are (``python_flags``), as the path of each module holding some
+    and their names; not numpy's bools, which Dynamo cannot take as constants."""
+    sources: dict[str, tuple[str, ...]] = {}
+    for path, name, _ in python_flags(block):
+        if type(getattr(block.get_submodule(path), name)).__module__ != "numpy":
+            sources[path] = (*sources.get(path, ()), name)
+    return tuple(sources.items())
+
+
+def written_in_trace(block: nn.Module) -> str | None:
+    """An attribute of the block's modules that the step under trace has set (``path.name``),
+    if any: Dynamo makes such writes after the step's graph has run."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    effects = tx.output.side_effects if tx is not None else None
+    for path, module in block.named_modules() if effects is not None else ():
+        written = effects.store_attr_mutations.get(effects.id_to_variable.get(id(module)), {})
+        if names := [n for n in written if not n.startswith("_mfsdp")]:
+            return f"{path}.{names[0]}" if path else names[0]
+    return None
+
+
+def say_written_in_step(block: str, attribute: str) -> None:
+    """Said once per block class and attribute (Python's warnings keep the first)."""
+    warnings.warn(
+        f"the step's own code sets {attribute!r} of a repeated {block} before calling it. A "
+        "compiled step makes such writes after its graph has run, so the block's compiled body "
+        "would read the value from before: these calls are traced inline, at eager's results, "
+        "and compile time grows with depth. Set it before calling the compiled model, or pass "
+        "the value as an argument of the block's call.",
+        stacklevel=3,
+    )
 
 
 _BOOKKEEPING = frozenset((*vars(nn.Module()), "_is_hf_initialized"))

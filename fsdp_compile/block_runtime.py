@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fsdp_compile.block_record import BlockCall, output_form, tensor_metadata, tensors_of
 from fsdp_compile.bucket_copies import pack_for_reduce_scatter, split_gathered
 from fsdp_compile.errors import CompileUsageError
+from fsdp_compile.flat_params import note_block_graded
 from fsdp_compile.float8 import float8_from_parts
 from fsdp_compile.side_outputs import SideChannel, flatten, stand_ins_of
 
@@ -420,6 +421,9 @@ def run_backward(
     # graph stays for it, as the step's does.
     retained = torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph()
     outputs, slots, graded, inputs = call.backend().pending.take(token, keep=retained)
+    # This call's version of the step says which of its flats' members get a gradient, at the
+    # backward it runs (NOTE: parameters without a gradient, in block_fakes.py).
+    note_block_graded(call.block(), call.traced["graded"], traced=False)
     for slot, weight in zip(slots, body_weights(call, weights, copied_out)):
         slot.data = weight
     leaves = [*graded, *inputs]

@@ -58,6 +58,7 @@ NOTE: flat parameters
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.markers import padded_rows
 
 __all__ = [
-    "FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat", "note_graded",
+    "FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat", "note_graded", "note_block_graded",
     "hold_local",
 ]
 
@@ -283,13 +284,22 @@ def converted_flat(flat: nn.Parameter, members: list[nn.Parameter], fn) -> nn.Pa
 def note_graded(flat: nn.Parameter, flags: tuple[bool, ...], *, traced: bool) -> None:
     """Record which members of ``flat`` get a gradient (one flag per member; empty: none),
     for the hand-out (see NOTE: parameters without a gradient, in block_fakes.py): ``traced``,
-    as a compiled step found while tracing (it holds for every run of that step); otherwise
-    for the eager backward under way only."""
+    as the compiled step starting found while tracing; otherwise as a backward under way
+    found, added to what the others since the last hand-out found (a layer called twice, the
+    micro-batches of an accumulation)."""
     flags = flags or (False,) * len(flat._mfsdp_members)
     if traced:
         flat._mfsdp_graded_compiled = flags
     else:
-        flat._mfsdp_graded = flags
+        pending = getattr(flat, "_mfsdp_graded", None)
+        flat._mfsdp_graded = flags if pending is None else tuple(map(operator.or_, pending, flags))
+
+
+def note_block_graded(block: nn.Module, graded: list[tuple[bool, ...]], *, traced: bool) -> None:
+    """``note_graded`` for each flat of a repeated block, as a compiled call's fake run found:
+    ``graded`` has a tuple per gathered weight, flats first."""
+    for flat, flags in zip(block._mfsdp_region_flats.values(), graded):
+        note_graded(flat, flags, traced=traced)
 
 
 def _hand_out_grads(flat: nn.Parameter) -> None:

@@ -149,6 +149,13 @@ def is_block_probe(node: fx.Node) -> bool:
     return _calls(node, BLOCK_GRADED)
 
 
+def named_calls(gm: fx.GraphModule) -> list[int]:
+    """The block calls ``gm`` names (``block_forward``'s and the probes' call indices), in its
+    subgraphs too (the regions ``torch.utils.checkpoint`` traces as one)."""
+    graphs = (g for g in gm.modules() if isinstance(g, fx.GraphModule))
+    return [n.args[2] for g in graphs for n in g.graph.nodes if is_block_forward(n) or is_block_probe(n)]
+
+
 def is_rng_state(node: fx.Node) -> bool:
     """A read of the random generators' state for a block call's recompute (passes
     save_block_rng and replay_block_rng)."""

@@ -52,6 +52,8 @@ def _recompile(example_inputs: list) -> Recompile:
     reason = getattr(metrics, "_metrics", {}).get("recompile_reason") or ""
     shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
     symbolic = any(isinstance(value, torch.SymInt) for value in example_inputs)
+    # The guard and its source line; Dynamo's user stack trace after them says no more.
+    reason = reason.split("User stack trace")[0].rstrip(" -\n")
     return Recompile(torch.is_grad_enabled(), symbolic, repr(shapes), " ".join(reason.split()))
 
 
@@ -116,7 +118,8 @@ def note_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: str, 
             f"its limit (torch._dynamo.config.recompile_limit = {limit}), and runs it uncompiled from "
             f"the next time on, gathering each parameter at each read.{why} Fixes: for shapes that change from batch "
             "to batch, pad batches to a few fixed lengths or compile with dynamic=True; for an "
-            "evaluation between steps and turns of set_requires_gradient_sync, raise "
+            "evaluation between steps, turns of set_requires_gradient_sync and a layer's flag "
+            "changed between steps (each of its values compiles the step once), raise "
             "torch._dynamo.config.recompile_limit; for another model, call torch.compiler.reset() "
             "before building it.",
             stacklevel=3,

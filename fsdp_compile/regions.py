@@ -50,9 +50,9 @@ from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from fsdp_compile import hf_caches
 from fsdp_compile.backend import compiling_backend
 from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_float8_weights, float8_without_gradient_detached
-from fsdp_compile.block_record import BlockCall, FlatCopy, register_call
+from fsdp_compile.block_record import BlockCall, FlatCopy, python_flags, register_call, say_written_in_step, written_in_trace
 from fsdp_compile.block_runtime import as_dtensors, autocast_state
-from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat, note_graded
+from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat
 from fsdp_compile.gathered_reads import copied_module, float8_read, unshard_marker
 from fsdp_compile.records import next_param_id, shard_info
 from fsdp_compile.region_body import region_body, region_inline, structure
@@ -86,8 +86,8 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     # every layer: a frame of its own guards on each argument. Tuples are opened one level
     # (HF's position_embeddings); one constant says how to regroup. Dynamo steps through this
     # at every layer, so it is made of what Dynamo runs natively (map over builtins, slices,
-    # getitem) and of functions it runs rather than traces: with a loop over the arguments
-    # this wrapper cost 438 stepped instructions a layer on an HF Llama, now 196.
+    # getitem) and of functions it runs rather than traces: 196 stepped instructions a layer
+    # on an HF Llama where a loop over the arguments took 438 (the flags' reads add 76).
     values = (*args, *kwargs.values())
     opened = tuple(map(operator.is_, map(type, values), itertools.repeat(tuple)))  # not a namedtuple
     leaves, sizes = values, ()
@@ -145,34 +145,32 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     return _regroup(form, outputs)
 
 
-def _note_graded(self: nn.Module, graded: list[tuple[bool, ...]]) -> None:
-    """Tell the block's flats which members a compiled call's backward gives a gradient (its
-    fake run found it: ``graded`` has a tuple per gathered weight, flats first)."""
-    for flat, flags in zip(self._mfsdp_region_flats.values(), graded):
-        note_graded(flat, flags, traced=True)
-
-
 def _flags(block: nn.Module) -> tuple:
-    """The block's flags, read where Dynamo guards them: a flag changed later traces the step
-    again, and the fake run (keyed by them) is redone for the new value."""
-    paths, names = block_flag_sources(block._mfsdp_region_key) if torch.compiler.is_compiling() else ((), ())
-    return tuple(map(getattr, map(block.get_submodule, paths), names))
+    """The block's flags, read where Dynamo guards them: one changed later traces the step
+    again, whose fake run (keyed by ``python_flags``) is then done for the new value."""
+    values = ()
+    for path, names in block_flag_sources(block._mfsdp_region_key) if torch.compiler.is_compiling() else ():
+        values += tuple(map(getattr, itertools.repeat(block.get_submodule(path)), names))
+    return values
 
 
 @torch._dynamo.assume_constant_result
 def _block_call(
-    block_key: int, layout: str, recipe: str, is_tensor: tuple[bool, ...], constants: tuple, train: bool, flags: tuple
+    block_key: int, layout: str, recipe: str, is_tensor: tuple[bool, ...], constants: tuple, train: bool, guarded: tuple
 ) -> tuple[int, bool]:
     """The call of the block ``block_key`` (an index, see fsdp_compile/block_record.py), and
     whether its body runs inline (run, not traced, by Dynamo): outside a compile by mfsdp
     (no call: -1), or under ``options={"regional": False}``, where a training call is
     recorded only for its fake run (``BLOCK_GRADED``). ``constants``: the values of the
-    leaves ``is_tensor`` does not mark, in order."""
+    leaves ``is_tensor`` does not mark, in order; ``guarded``: the flags Dynamo guards (``_flags``)."""
 
     backend = compiling_backend()
     if backend is None or (not backend.options.regional and not train):
         return -1, True
     block = BLOCKS[block_key]
+    if written := written_in_trace(block):  # a value its body would not read
+        say_written_in_step(type(block).__name__, written)
+        return -1, True
     name = backend.body_names.setdefault(structure(block), f"_region_{len(backend.body_names)}")
     if name in backend.unfakeable:  # NOTE: a block fake tensors cannot run, in block_fakes.py
         return -1, True
@@ -182,7 +180,7 @@ def _block_call(
     call = register_call(BlockCall(
         block=weakref.ref(block), body=region_body, name=name, layout=layout, recipe=traced_with,
         constants=tuple(() if t else (next(values),) for t in is_tensor), train=train, backend=weakref.ref(backend),
-        autocast=autocast_state(), flats=flats, float8=traced_with.value[5], flags=flags,
+        autocast=autocast_state(), flats=flats, float8=traced_with.value[5], flags=python_flags(block),
     ), backend.calls)
     return call, not backend.options.regional
 
@@ -395,7 +393,6 @@ def _make_region(block: nn.Module, layout: RegionLayout, path: str) -> None:
                 "_mfsdp_region_base": cls,
                 "_apply": _refresh_params,
                 "__deepcopy__": _copied_region,
-                "_mfsdp_note_graded": _note_graded,
                 "__module__": cls.__module__,  # printed as the user's (see gathered_reads.install_properties)
                 "__qualname__": cls.__qualname__,
             },

@@ -10,6 +10,7 @@ for layer 0 with its value baked in is off by far more than rounding.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import gc
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from fsdp_compile.node_meta import PREFETCH
-from fsdp_compile import MfsdpBackend, fully_shard
+from fsdp_compile import MfsdpBackend, fully_shard, set_requires_gradient_sync
 from fsdp_compile.block_call import BLOCK_FORWARD
 from fsdp_compile.block_record import call_record, python_flags, register_call
 from fsdp_compile.testing.models import RMSNorm, TransformerConfig, loss_fn, make_batch
@@ -375,33 +376,154 @@ def test_layers_whose_flag_decides_which_weights_train_keep_eager_s_none_and_gra
                 assert relative_error(param.grad.full_tensor(), expected[name]) < 1e-6, name
 
 
+class _Layers(nn.Module):
+    """``GatedLayer``s, each called once, through ``torch.utils.checkpoint`` when
+    ``checkpointed`` (its calls are then in a subgraph of the step's graph)."""
+
+    def __init__(self, count: int, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(GatedLayer(16, False) for _ in range(count))
+        self.checkpointed = checkpointed
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False) if self.checkpointed else layer(h)
+        return h
+
+
+def _set_frozen(frozen: str, *models: nn.Module) -> None:
+    for model in models:
+        for layer, flag in zip(model.layers, frozen):
+            layer.frozen = flag == "T"
+
+
+def _assert_grads_as_eager(model: nn.Module, reference: nn.Module, what) -> None:
+    """The same parameters without a gradient, the others' gradients equal."""
+    expected = dict(reference.named_parameters())
+    assert {n for n, p in model.named_parameters() if p.grad is None} == {n for n, p in expected.items() if p.grad is None}, what
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            assert relative_error(param.grad.full_tensor(), expected[name].grad) < 1e-6, (what, name)
+
+
 @pytest.mark.structure
 @pytest.mark.parametrize("regional", [True, False])
-def test_a_flag_changed_between_steps_is_seen_in_the_gradients_that_stay_none(regional):
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_flag_changed_between_steps_is_seen_in_the_gradients_that_stay_none(regional, checkpointed):
     """Layer 1 frozen for one step, then trained, then frozen again: each change traces the
     step again (its flags are guarded), and the step compiled first, back in use, hands out
     gradients as its own fake runs found, not as the latest trace's (NOTE: parameters without
-    a gradient, in block_fakes.py). Before, the first step's answer held: zeros where eager
-    leaves None. One gloo rank, real values."""
+    a gradient, in block_fakes.py), its checkpointed calls too. Before, the first step's
+    answer held: zeros where eager leaves None. One gloo rank, real values."""
     torch.manual_seed(0)
-    reference = nn.Sequential(*(GatedLayer(16, False) for _ in range(3)))
+    reference = _Layers(3, checkpointed)
     model = copy.deepcopy(reference)
     h = torch.randn(2, 8, 16)
     with one_rank_group():
         fully_shard(model)
         step = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=regional))
         for frozen in ("FFF", "FTF", "FFF", "FTF"):
+            _set_frozen(frozen, reference, model)
             for layers in (reference, model):
-                for layer, flag in zip(layers, frozen):
-                    layer.frozen = flag == "T"
                 layers.zero_grad(set_to_none=True)
             reference(h).sum().backward()
             step(h).sum().backward()
-            expected = {n: p.grad for n, p in reference.named_parameters()}
-            assert {n for n, p in model.named_parameters() if p.grad is None} == {n for n, g in expected.items() if g is None}, frozen
-            for name, param in model.named_parameters():
-                if param.grad is not None:
-                    assert relative_error(param.grad.full_tensor(), expected[name]) < 1e-6, (frozen, name)
+            _assert_grads_as_eager(model, reference, frozen)
+
+
+class _FrozenAsAsked(nn.Module):
+    """``GatedLayer`` with its flag an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16, bias=False)
+        self.gate = nn.Linear(16, 16, bias=False)
+
+    def forward(self, h, frozen: bool):
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            gate = self.gate(h).sigmoid()
+        return h + self.a(h) * gate
+
+
+class _CalledTwice(nn.Module):
+    """Layer 0 called trained, then again frozen: by an argument, or by its flag, which the
+    step's own code sets before each call (``set_flags``)."""
+
+    def __init__(self, set_flags: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList((GatedLayer(16, False) if set_flags else _FrozenAsAsked()) for _ in range(2))
+        self.set_flags = set_flags
+
+    def forward(self, h):
+        for layer, frozen in ((self.layers[0], False), (self.layers[0], True), (self.layers[1], False)):
+            if self.set_flags:
+                layer.frozen = frozen
+            h = layer(h) if self.set_flags else layer(h, frozen)
+        return h
+
+
+@pytest.mark.structure
+def test_which_weights_get_a_gradient_is_what_each_backward_found():
+    """Each body's backward says which of its flats' members get a gradient as it runs,
+    added to the others' since the flat's last hand-out: two forwards of two versions of the
+    step (layer 1 trained, then frozen), then their backwards in either order; micro-batches
+    of both versions accumulated without gradient sync; a layer called twice, trained and then
+    frozen (an argument). Each was handed the answer of the latest trace (or call), which
+    dropped a gradient eager keeps or gave zeros where eager leaves None. One gloo rank."""
+    torch.manual_seed(0)
+    reference = _Layers(3)
+    model = copy.deepcopy(reference)
+    h, h2 = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    with one_rank_group():
+        fully_shard(model)
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        for order in ((0, 1), (1, 0)):
+            for layers in (reference, model):
+                layers.zero_grad(set_to_none=True)
+            losses = []
+            for frozen, x in (("FFF", h), ("FTF", h2)):
+                _set_frozen(frozen, reference, model)
+                losses.append((reference(x).sum(), step(x).sum()))
+            for at in order:
+                for loss in losses[at]:
+                    loss.backward()
+                _assert_grads_as_eager(model, reference, ("backward", order, at))
+        for layers in (reference, model):
+            layers.zero_grad(set_to_none=True)
+        for frozen, x, sync in (("FFF", h, False), ("FTF", h2, True)):
+            _set_frozen(frozen, reference, model)
+            set_requires_gradient_sync(model, sync)
+            reference(x).sum().backward()
+            step(x).sum().backward()
+        _assert_grads_as_eager(model, reference, "accumulated")
+        torch.manual_seed(0)
+        reference = _CalledTwice(set_flags=False)
+        model = fully_shard(copy.deepcopy(reference))
+        reference(h).sum().backward()
+        torch.compile(model, backend=MfsdpBackend(compiler="eager"))(h).sum().backward()
+        _assert_grads_as_eager(model, reference, "called twice")
+
+
+@pytest.mark.structure
+def test_a_flag_the_step_sets_before_a_call_is_read_as_eager_reads_it():
+    """The step's own code sets layer 0's flag before each of its two calls. A compiled step
+    makes such writes after its graph, so the body read the flag from before the step (step
+    1: every call trained; step 2: every call frozen), gradients off by 100% and more: those
+    calls are traced inline, and said once. One gloo rank, two steps."""
+    torch.manual_seed(0)
+    reference = _CalledTwice(set_flags=True)
+    model = copy.deepcopy(reference)
+    h = torch.randn(2, 8, 16)
+    with one_rank_group():
+        fully_shard(model)
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        for at in range(2):
+            for layers in (reference, model):
+                layers.zero_grad(set_to_none=True)
+            reference(h).sum().backward()
+            with pytest.warns(UserWarning, match="sets 'frozen' of a repeated GatedLayer") if at == 0 else contextlib.nullcontext():
+                step(h).sum().backward()
+            _assert_grads_as_eager(model, reference, at)
 
 
 @pytest.mark.structure
@@ -424,6 +546,9 @@ def test_the_flags_that_tell_layers_apart_are_bools_strings_enums_and_nones():
                        ("kind", "sliding", "full"), ("window", 8, None)):
         first, second = layers(name, a, b)
         assert first != second, name
+    first, second = GatedLayer(16, False), GatedLayer(16, False)
+    first.a_scale, first.b_scale, second.a_scale, second.b_scale = None, "x", "x", None
+    assert python_flags(first) != python_flags(second)  # the same values, held under other names
     for name, a, b in (("layer_idx", 0, 1), ("weight_init_std", 0.02, 0.01), ("kwargs", {"target": "a"}, {"target": "b"})):
         first, second = layers(name, a, b)
         assert first == second, name
