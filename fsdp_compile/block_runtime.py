@@ -423,7 +423,8 @@ def run_backward(
     outputs, slots, graded, inputs = call.backend().pending.take(token, keep=retained)
     # This call's version of the step says which of its flats' members get a gradient, at the
     # backward it runs (NOTE: parameters without a gradient, in block_fakes.py).
-    note_block_graded(call.block(), call.traced["graded"], traced=False)
+    if (block := call.block()) is not None:  # the model may be gone, its loss kept
+        note_block_graded(block, call.traced["graded"], traced=False)
     for slot, weight in zip(slots, body_weights(call, weights, copied_out)):
         slot.data = weight
     leaves = [*graded, *inputs]

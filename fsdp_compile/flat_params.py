@@ -284,12 +284,16 @@ def converted_flat(flat: nn.Parameter, members: list[nn.Parameter], fn) -> nn.Pa
 def note_graded(flat: nn.Parameter, flags: tuple[bool, ...], *, traced: bool) -> None:
     """Record which members of ``flat`` get a gradient (one flag per member; empty: none),
     for the hand-out (see NOTE: parameters without a gradient, in block_fakes.py): ``traced``,
-    as the compiled step starting found while tracing; otherwise as a backward under way
-    found, added to what the others since the last hand-out found (a layer called twice, the
-    micro-batches of an accumulation)."""
+    as the compiled step starting (a new step) found while tracing; otherwise as a backward
+    under way found, added to what the others since the last hand-out found (a layer called
+    twice, the micro-batches of an accumulation)."""
     flags = flags or (False,) * len(flat._mfsdp_members)
     if traced:
         flat._mfsdp_graded_compiled = flags
+        if not shard_info(flat).accumulation:
+            # What a backward said and no hand-out took (``autograd.grad`` to the inputs, a
+            # backward that raised) ends with its step; an accumulation's goes on.
+            flat._mfsdp_graded = None
     else:
         pending = getattr(flat, "_mfsdp_graded", None)
         flat._mfsdp_graded = flags if pending is None else tuple(map(operator.or_, pending, flags))

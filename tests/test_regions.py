@@ -468,8 +468,9 @@ def test_which_weights_get_a_gradient_is_what_each_backward_found():
     added to the others' since the flat's last hand-out: two forwards of two versions of the
     step (layer 1 trained, then frozen), then their backwards in either order; micro-batches
     of both versions accumulated without gradient sync; a layer called twice, trained and then
-    frozen (an argument). Each was handed the answer of the latest trace (or call), which
-    dropped a gradient eager keeps or gave zeros where eager leaves None. One gloo rank."""
+    frozen (an argument); a gradient to the input alone, then a step with layer 1 frozen.
+    Each was handed the answer of the latest trace (or call), which dropped a gradient eager
+    keeps or gave zeros where eager leaves None. One gloo rank."""
     torch.manual_seed(0)
     reference = _Layers(3)
     model = copy.deepcopy(reference)
@@ -496,6 +497,15 @@ def test_which_weights_get_a_gradient_is_what_each_backward_found():
             reference(x).sum().backward()
             step(x).sum().backward()
         _assert_grads_as_eager(model, reference, "accumulated")
+        # What a backward said and no hand-out took (a gradient to the input only) ends with
+        # its step: the next step's layer 1, frozen, keeps None.
+        x = h.clone().requires_grad_()
+        for frozen, backward in (("FFF", lambda loss: torch.autograd.grad(loss, x)), ("FTF", torch.Tensor.backward)):
+            _set_frozen(frozen, reference, model)
+            for layers in (reference, model):
+                layers.zero_grad(set_to_none=True)
+                backward(layers(x).sum() if layers is reference else step(x).sum())
+        _assert_grads_as_eager(model, reference, "after a gradient to the input")
         torch.manual_seed(0)
         reference = _CalledTwice(set_flags=False)
         model = fully_shard(copy.deepcopy(reference))
