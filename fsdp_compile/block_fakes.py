@@ -376,8 +376,9 @@ class _Graded:
         the others found since the flat's last hand-out (a layer called twice, micro-batches
         accumulated); each graph also tells them as it starts, for calls traced inline
         (``note_traced_grading``; for those, two versions' backwards after both forwards are
-        handed out as the later graph found), and drops what no hand-out took. A flag the step's own code sets before a call is written
-        only after the step's graph ran, so such a call is traced inline
+        handed out as the later graph found), and drops what no hand-out took. An attribute
+        the step's own code sets before a call (of the block's modules, or of an object one
+        holds) is written only after the step's graph ran, so such a call is traced inline
         (``block_record.written_in_trace``).
     """
 

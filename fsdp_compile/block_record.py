@@ -149,16 +149,20 @@ def flag_sources(block: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 def written_in_trace(block: nn.Module) -> str | None:
-    """An attribute of the block's modules that the step under trace has set (``path.name``),
-    if any: Dynamo makes such writes after the step's graph has run."""
+    """An attribute that the step under trace has set (``path.name``) of the block's modules
+    or of an object one holds (HF's ``self.config``), if any: Dynamo makes such writes after
+    the step's graph has run."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     tx = InstructionTranslator.current_tx()
     effects = tx.output.side_effects if tx is not None else None
     for path, module in block.named_modules() if effects is not None else ():
-        written = effects.store_attr_mutations.get(effects.id_to_variable.get(id(module)), {})
-        if names := [n for n in written if not n.startswith("_mfsdp")]:
-            return f"{path}.{names[0]}" if path else names[0]
+        objects = (nn.Module, Tensor)
+        held = ((name, v) for name, v in vars(module).items() if hasattr(v, "__dict__") and not isinstance(v, objects))
+        for at, target in (("", module), *held):
+            written = effects.store_attr_mutations.get(effects.id_to_variable.get(id(target)), {})
+            if names := [n for n in written if not n.startswith("_mfsdp")]:
+                return ".".join(filter(None, (path, at, names[0])))
     return None
 
 

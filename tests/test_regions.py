@@ -514,16 +514,53 @@ def test_which_weights_get_a_gradient_is_what_each_backward_found():
         _assert_grads_as_eager(model, reference, "called twice")
 
 
+class _Options:
+    """A plain object the layers hold, as HF's layers hold their config."""
+
+    frozen = False
+
+
+class _OptionsLayer(GatedLayer):
+    """``GatedLayer`` reading its flag from the ``_Options`` it holds."""
+
+    def __init__(self, options: _Options) -> None:
+        super().__init__(16, False)
+        self.options = options
+
+    def forward(self, h):
+        with torch.no_grad() if self.options.frozen else contextlib.nullcontext():
+            gate = self.gate(h).sigmoid()
+        return h + self.a(h) * gate
+
+
+class _ConfigFrozen(nn.Module):
+    """Layer 0 called trained, then again frozen, by a shared ``_Options`` the step sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.options = _Options()
+        self.layers = nn.ModuleList(_OptionsLayer(self.options) for _ in range(2))
+
+    def forward(self, h):
+        for layer, frozen in ((self.layers[0], False), (self.layers[0], True), (self.layers[1], False)):
+            self.options.frozen = frozen
+            h = layer(h)
+        return h
+
+
 @pytest.mark.structure
-def test_a_flag_the_step_sets_before_a_call_is_read_as_eager_reads_it():
-    """The step's own code sets layer 0's flag before each of its two calls. A compiled step
-    makes such writes after its graph, so the body read the flag from before the step (step
-    1: every call trained; step 2: every call frozen), gradients off by 100% and more: those
-    calls are traced inline, and said once. One gloo rank, two steps."""
+@pytest.mark.parametrize("held_by", ["layer", "config"])
+def test_a_flag_the_step_sets_before_a_call_is_read_as_eager_reads_it(held_by):
+    """The step's own code sets layer 0's flag before each of its two calls, on the layer or
+    on an object the layers hold (HF's ``self.config``). A compiled step makes such writes
+    after its graph, so the body read the flag from before the step (step 1: every call
+    trained; step 2: every call frozen), gradients off by 100% and more: those calls are
+    traced inline, and said once. One gloo rank, two steps."""
     torch.manual_seed(0)
-    reference = _CalledTwice(set_flags=True)
+    reference = _CalledTwice(set_flags=True) if held_by == "layer" else _ConfigFrozen()
     model = copy.deepcopy(reference)
     h = torch.randn(2, 8, 16)
+    written = "'frozen'" if held_by == "layer" else "'options.frozen'"
     with one_rank_group():
         fully_shard(model)
         step = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
@@ -531,7 +568,7 @@ def test_a_flag_the_step_sets_before_a_call_is_read_as_eager_reads_it():
             for layers in (reference, model):
                 layers.zero_grad(set_to_none=True)
             reference(h).sum().backward()
-            with pytest.warns(UserWarning, match="sets 'frozen' of a repeated GatedLayer") if at == 0 else contextlib.nullcontext():
+            with pytest.warns(UserWarning, match=f"sets {written} of a repeated") if at == 0 else contextlib.nullcontext():
                 step(h).sum().backward()
             _assert_grads_as_eager(model, reference, at)
 
