@@ -157,8 +157,7 @@ def written_in_trace(block: nn.Module) -> str | None:
     tx = InstructionTranslator.current_tx()
     effects = tx.output.side_effects if tx is not None else None
     for path, module in block.named_modules() if effects is not None else ():
-        objects = (nn.Module, Tensor)
-        held = ((name, v) for name, v in vars(module).items() if hasattr(v, "__dict__") and not isinstance(v, objects))
+        held = ((name, v) for name, v in vars(module).items() if not isinstance(v, (nn.Module, Tensor)))
         for at, target in (("", module), *held):
             written = effects.store_attr_mutations.get(effects.id_to_variable.get(id(target)), {})
             if names := [n for n in written if not n.startswith("_mfsdp")]:

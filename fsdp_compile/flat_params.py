@@ -286,17 +286,22 @@ def note_graded(flat: nn.Parameter, flags: tuple[bool, ...], *, traced: bool) ->
     for the hand-out (see NOTE: parameters without a gradient, in block_fakes.py): ``traced``,
     as the compiled step starting (a new step) found while tracing; otherwise as a backward
     under way found, added to what the others since the last hand-out found (a layer called
-    twice, the micro-batches of an accumulation)."""
+    twice, the micro-batches of an accumulation): ``_mfsdp_graded`` holds those flags and
+    whether a micro-batch accumulating without gradient sync said them."""
     flags = flags or (False,) * len(flat._mfsdp_members)
+    pending = getattr(flat, "_mfsdp_graded", None)
     if traced:
         flat._mfsdp_graded_compiled = flags
-        if not shard_info(flat).accumulation:
-            # What a backward said and no hand-out took (``autograd.grad`` to the inputs, a
-            # backward that raised) ends with its step; an accumulation's goes on.
+        # What a backward said and no hand-out took (``autograd.grad`` to the inputs, a
+        # backward that raised) ends as the next step starts, not inside a backward (a
+        # checkpoint's recompute); what a micro-batch's backward said waits for the hand-out.
+        if pending is not None and not pending[1] and torch._C._current_graph_task_id() == -1:
             flat._mfsdp_graded = None
     else:
-        pending = getattr(flat, "_mfsdp_graded", None)
-        flat._mfsdp_graded = flags if pending is None else tuple(map(operator.or_, pending, flags))
+        accumulated = "accumulator" in shard_info(flat).accumulation
+        flat._mfsdp_graded = (
+            (flags, accumulated) if pending is None else (tuple(map(operator.or_, pending[0], flags)), pending[1] or accumulated)
+        )
 
 
 def note_block_graded(block: nn.Module, graded: list[tuple[bool, ...]], *, traced: bool) -> None:
@@ -313,7 +318,8 @@ def _hand_out_grads(flat: nn.Parameter) -> None:
         return
     grad = flat.grad
     # An eager backward says for itself; a compiled one as it was traced.
-    graded = getattr(flat, "_mfsdp_graded", None) or getattr(flat, "_mfsdp_graded_compiled", None)
+    pending = getattr(flat, "_mfsdp_graded", None)
+    graded = pending[0] if pending is not None else getattr(flat, "_mfsdp_graded_compiled", None)
     flat._mfsdp_graded = None
     graded = graded or (True,) * len(flat._mfsdp_members)
     with torch.no_grad():

@@ -498,13 +498,17 @@ def test_which_weights_get_a_gradient_is_what_each_backward_found():
             step(x).sum().backward()
         _assert_grads_as_eager(model, reference, "accumulated")
         # What a backward said and no hand-out took (a gradient to the input only) ends with
-        # its step: the next step's layer 1, frozen, keeps None.
+        # its step: the next step's layer 1, frozen, keeps None, over two micro-batches.
         x = h.clone().requires_grad_()
-        for frozen, backward in (("FFF", lambda loss: torch.autograd.grad(loss, x)), ("FTF", torch.Tensor.backward)):
-            _set_frozen(frozen, reference, model)
-            for layers in (reference, model):
-                layers.zero_grad(set_to_none=True)
-                backward(layers(x).sum() if layers is reference else step(x).sum())
+        _set_frozen("FFF", reference, model)
+        torch.autograd.grad(step(x).sum(), x)
+        _set_frozen("FTF", reference, model)
+        for layers in (reference, model):
+            layers.zero_grad(set_to_none=True)
+        for sync in (False, True):
+            set_requires_gradient_sync(model, sync)
+            reference(x).sum().backward()
+            step(x).sum().backward()
         _assert_grads_as_eager(model, reference, "after a gradient to the input")
         torch.manual_seed(0)
         reference = _CalledTwice(set_flags=False)
@@ -515,9 +519,13 @@ def test_which_weights_get_a_gradient_is_what_each_backward_found():
 
 
 class _Options:
-    """A plain object the layers hold, as HF's layers hold their config."""
+    """A plain object the layers hold, as HF's layers hold their config (with slots, as a
+    ``dataclass(slots=True)``'s: no ``__dict__``)."""
 
-    frozen = False
+    __slots__ = ("frozen",)
+
+    def __init__(self) -> None:
+        self.frozen = False
 
 
 class _OptionsLayer(GatedLayer):
