@@ -311,6 +311,12 @@ def note_block_graded(block: nn.Module, graded: list[tuple[bool, ...]], *, trace
         note_graded(flat, flags, traced=traced)
 
 
+def forget_graded(flat: nn.Parameter) -> None:
+    """Drop what backwards said of ``flat`` since its last hand-out: the micro-batches they ran
+    for are given up (``reset_iter_state``)."""
+    flat._mfsdp_graded = None
+
+
 def _hand_out_grads(flat: nn.Parameter) -> None:
     """The flat's accumulated gradient, handed to its members as views (see NOTE: flat
     parameters); a member the backward gave no gradient gets none, as autograd would."""

@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_weight
+from fsdp_compile.flat_params import forget_graded
+from fsdp_compile.fsdp2_methods import fsdp2_methods
 from fsdp_compile.records import ShardInfo, gathered_params, shard_info
 from fsdp_compile.state_loading import load_into_shards
 
@@ -281,17 +283,55 @@ def _accumulator(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     return one.expand(info.global_shape).requires_grad_(True)
 
 
-def _set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) -> None:
+def _set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    if recurse is not True:
+        # FSDP2's recurse=False sets it for the unit's own parameters, not its inner units'.
+        raise UsageError(
+            "set_requires_gradient_sync(..., recurse=False) is not supported by fsdp_compile: it "
+            "sets the flag for every parameter under the module it is called on. Leave recurse "
+            "at True."
+        )
     set_requires_gradient_sync(self, requires_gradient_sync)
 
 
 _set_requires_gradient_sync.__doc__ = set_requires_gradient_sync.__doc__
 
 
-# One generated class per (base class, sharded names): the properties read each instance's own
+def _reset_iter_state(self: nn.Module) -> None:
+    """FSDP2's recovery after a forward or backward that raised: what the micro-batches
+    accumulated without gradient sync since the last reduction is dropped, as FSDP2 drops it
+    (restart the micro-batch sequence); sync stays as it was. Nothing else outlives a failed
+    step here: the gathers and reductions are the compiled step's own."""
+    for param in gathered_params(self):
+        info = shard_info(param)
+        if info is None:
+            continue
+        state = info.accumulation
+        state.pop("pending", None)
+        if "accumulator" in state:
+            state["accumulator"] = _accumulator(param, info)
+        if hasattr(param, "_mfsdp_members"):
+            forget_graded(param)
+
+
+def _fsdp2_methods(base: type, held: frozenset[str]) -> dict:
+    """FSDP2's ``FSDPModule`` methods for a sharded subclass of ``base`` (fsdp2_methods.py):
+    those ``base`` does not define itself (a model's own ``unshard`` stays the model's) and its
+    instance does not hold (``held``)."""
+    methods = {
+        **fsdp2_methods(),
+        "set_requires_gradient_sync": _set_requires_gradient_sync,
+        "reset_iter_state": _reset_iter_state,
+    }
+    return {name: method for name, method in methods.items() if name not in held and not hasattr(base, name)}
+
+
+_FSDP2_NAMES = frozenset(_fsdp2_methods(nn.Module, frozenset()))
+
+# One generated class per (base class, sharded names, FSDP2 names its instances hold): the properties read each instance's own
 # parameters, so every block of a repeated class shares its classes, which lets a compiled
 # body serve them all (see fsdp_compile/regions.py). Classes only: no instance state here.
-_SHARDED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
+_SHARDED_CLASSES: dict[tuple[type, frozenset[str], frozenset[str]], type] = {}
 
 
 def install_properties(module: nn.Module, names: set[str]) -> None:
@@ -300,7 +340,11 @@ def install_properties(module: nn.Module, names: set[str]) -> None:
     cls = module.__class__
     base = getattr(cls, "_mfsdp_base", cls)
     names = frozenset(getattr(cls, "_mfsdp_names", frozenset()) | names)
-    if (base, names) not in _SHARDED_CLASSES:
+    # A child module, parameter or buffer named as a method (``self.reshard = nn.Linear``)
+    # stays what the module's attribute reads: a class attribute would hide it.
+    held = frozenset(name for name in (*module._modules, *module._parameters, *module._buffers))
+    held &= _FSDP2_NAMES
+    if (base, names, held) not in _SHARDED_CLASSES:
         namespace = {
             **{name: property(functools.partial(_gathered, name=name)) for name in names},
             "_mfsdp_base": base,
@@ -308,11 +352,11 @@ def install_properties(module: nn.Module, names: set[str]) -> None:
             "_apply": _reattach_shard_info,
             "_load_from_state_dict": load_into_shards,
             "__deepcopy__": copied_module,
-            "set_requires_gradient_sync": _set_requires_gradient_sync,
+            **_fsdp2_methods(base, held),
             # Printed as the user's class: libraries key registries on str(cls) (HF's output
             # recorders), and the class is the user's but for the getters.
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
         }
-        _SHARDED_CLASSES[base, names] = type(f"Sharded{base.__name__}", (base,), namespace)
-    module.__class__ = _SHARDED_CLASSES[base, names]
+        _SHARDED_CLASSES[base, names, held] = type(f"Sharded{base.__name__}", (base,), namespace)
+    module.__class__ = _SHARDED_CLASSES[base, names, held]

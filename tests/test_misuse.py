@@ -94,6 +94,49 @@ def test_gradient_sync_flag_that_is_not_a_bool():
 
 
 @pytest.mark.structure
+def test_fsdp2_s_module_methods_work_or_say_what_to_call_instead():
+    """A script moving from FSDP2 calls FSDPModule's methods on the model: each of torch's does
+    what it means here or raises naming the fix, never nn.Module's bare AttributeError; a
+    model's own attribute of such a name (a method, a child module) stays the model's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_compile.fsdp2_methods import MESSAGES
+    from fsdp_compile.records import gathered_params
+
+    class OwnNames(nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.reshard = nn.Linear(4, 4)
+
+        def unshard(self):
+            return "the model's own"
+
+    accepted = {"set_requires_gradient_sync", "set_is_last_backward", "set_unshard_in_backward", "reset_iter_state"}
+    with fake_process_group(2):
+        model = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+        public = [n for n in vars(FSDPModule) if not n.startswith("_") and callable(getattr(FSDPModule, n))]
+        assert set(public) <= accepted | set(MESSAGES), "a method torch's FSDPModule gained: say it in MESSAGES"
+        for name in set(public) - accepted:
+            with pytest.raises(UsageError, match=rf"{name}\(\) is a method of torch's FSDP2.*: \w"):
+                getattr(model, name)()
+        (param, *_) = gathered_params(model)  # a flat parameter, gathered for both linears
+        model.set_requires_gradient_sync(False, recurse=True)
+        assert "accumulator" in shard_info(param).accumulation
+        model.set_requires_gradient_sync(True)
+        assert "accumulator" not in shard_info(param).accumulation
+        with pytest.raises(UsageError, match="recurse=False"):
+            model.set_requires_gradient_sync(False, recurse=False)
+        model.set_is_last_backward(False)
+        model.set_unshard_in_backward(False)
+        assert shard_info(param).accumulation == {}
+        for name in ("set_is_last_backward", "set_unshard_in_backward"):
+            with pytest.raises(UsageError, match=f"{name} takes True or False"):
+                getattr(model, name)(1)
+        own = fully_shard(OwnNames())
+        assert own.unshard() == "the model's own" and isinstance(own.reshard, nn.Linear)
+
+
+@pytest.mark.structure
 def test_mp_policy_of_the_wrong_type():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

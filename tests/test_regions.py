@@ -431,6 +431,31 @@ def test_a_flag_changed_between_steps_is_seen_in_the_gradients_that_stay_none(re
             _assert_grads_as_eager(model, reference, frozen)
 
 
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_reset_iter_state_drops_what_the_given_up_micro_batches_accumulated(compiled):
+    """FSDP2's recovery when a micro-batch raised: ``reset_iter_state()``, then the sequence
+    starts again (fsdp2_methods.py). The gradient is the new sequence's alone, and layer 1's
+    gate, reached only by the given-up micro-batch (frozen after), keeps None, as in eager,
+    not zeros. One gloo rank."""
+    torch.manual_seed(0)
+    reference = _Layers(3)
+    model = copy.deepcopy(reference)
+    h, given_up = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    with one_rank_group():
+        fully_shard(model)
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        model.set_requires_gradient_sync(False)
+        step(given_up).sum().backward()
+        model.reset_iter_state()
+        _set_frozen("FTF", reference, model)
+        for sync in (False, True):
+            model.set_requires_gradient_sync(sync)
+            step(h).sum().backward()
+            reference(h).sum().backward()
+        _assert_grads_as_eager(model, reference, "after reset_iter_state")
+
+
 class _FrozenAsAsked(nn.Module):
     """``GatedLayer`` with its flag an argument."""
 
