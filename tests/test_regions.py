@@ -391,6 +391,13 @@ class _Layers(nn.Module):
         return h
 
 
+def _three_layers_and_a_copy():
+    """``_Layers(3)``, a copy of it to shard, and two inputs."""
+    torch.manual_seed(0)
+    reference = _Layers(3)
+    return reference, copy.deepcopy(reference), torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+
+
 def _set_frozen(frozen: str, *models: nn.Module) -> None:
     for model in models:
         for layer, flag in zip(model.layers, frozen):
@@ -438,10 +445,7 @@ def test_reset_iter_state_drops_what_the_given_up_micro_batches_accumulated(comp
     starts again (fsdp2_methods.py). The gradient is the new sequence's alone, and layer 1's
     gate, reached only by the given-up micro-batch (frozen after), keeps None, as in eager,
     not zeros. One gloo rank."""
-    torch.manual_seed(0)
-    reference = _Layers(3)
-    model = copy.deepcopy(reference)
-    h, given_up = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    reference, model, h, given_up = _three_layers_and_a_copy()
     with one_rank_group():
         fully_shard(model)
         step = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
@@ -496,10 +500,7 @@ def test_which_weights_get_a_gradient_is_what_each_backward_found():
     frozen (an argument); a gradient to the input alone, then a step with layer 1 frozen.
     Each was handed the answer of the latest trace (or call), which dropped a gradient eager
     keeps or gave zeros where eager leaves None. One gloo rank."""
-    torch.manual_seed(0)
-    reference = _Layers(3)
-    model = copy.deepcopy(reference)
-    h, h2 = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    reference, model, h, h2 = _three_layers_and_a_copy()
     with one_rank_group():
         fully_shard(model)
         step = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
