@@ -129,23 +129,37 @@ def python_flags(block: nn.Module) -> tuple:
     out, as what is held inside a container: each would split layers that differ in a value
     no weight's gradient hangs on (HF's ``layer_idx``, torchtitan's per-layer init scale,
     PEFT's per-layer target names), and a fake run per layer costs about half a first step
-    more at 32 layers."""
+    more at 32 layers. A flag the module's class holds counts too, as the default its instance
+    reads until it sets its own (``frozen = False`` in the class body, ``layer.frozen = True``
+    later): one not read at compile would never be guarded."""
     return tuple(
         (path, name, flag)
         for path, module in block.named_modules()
-        for name, value in vars(module).items()
+        for name, value in _held(module).items()
         if name not in _BOOKKEEPING and not name.startswith("_mfsdp") and (flag := _flag(value)) is not _NOT_A_FLAG
     )
 
 
-def flag_sources(block: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+def _held(module: nn.Module) -> dict[str, Any]:
+    """What ``module`` reads as its attributes, but ``nn.Module``'s: its classes' (not the
+    dunders; a mixin after ``nn.Module`` too, as PEFT's layers hold their adapters' defaults),
+    then its own over them."""
+    held = {}
+    for cls in reversed(type(module).__mro__):
+        if cls not in _MODULE_CLASSES:
+            held.update((n, v) for n, v in vars(cls).items() if not (n.startswith("__") and n.endswith("__")))
+    return held | vars(module)
+
+
+def flag_sources(block: nn.Module) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     """Where the block's flags are (``python_flags``), as the path of each module holding some
-    and their names; not numpy's bools, which Dynamo cannot take as constants."""
+    (its names from the block, one by one) and their names; not numpy's bools, which Dynamo
+    cannot take as constants."""
     sources: dict[str, tuple[str, ...]] = {}
     for path, name, _ in python_flags(block):
         if type(getattr(block.get_submodule(path), name)).__module__ != "numpy":
             sources[path] = (*sources.get(path, ()), name)
-    return tuple(sources.items())
+    return tuple((tuple(filter(None, path.split("."))), names) for path, names in sources.items())
 
 
 def written_in_trace(block: nn.Module) -> str | None:
@@ -181,6 +195,7 @@ _BOOKKEEPING = frozenset((*vars(nn.Module()), "_is_hf_initialized"))
 """What torch's modules (``training``, ``_is_full_backward_hook``) and HF's loading set: no
 layer's arithmetic branches on it."""
 _NOT_A_FLAG = object()
+_MODULE_CLASSES = frozenset(nn.Module.__mro__)
 
 
 def _flag(value: Any) -> Any:

@@ -60,7 +60,7 @@ def gather_recipe(block_key: int) -> tuple:
 
 
 @torch._dynamo.assume_constant_result
-def block_flag_sources(block_key: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
+def block_flag_sources(block_key: int) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     """Where the flags of the block ``block_key`` are (run, not traced, by Dynamo): the
     wrapper reads them traced, so that a flag changed after the step compiled fails its guards
     (NOTE: parameters without a gradient, in block_fakes.py)."""

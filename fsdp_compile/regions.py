@@ -150,7 +150,10 @@ def _flags(block: nn.Module) -> tuple:
     again, whose fake run (keyed by ``python_flags``) is then done for the new value."""
     values = ()
     for path, names in block_flag_sources(block._mfsdp_region_key) if torch.compiler.is_compiling() else ():
-        values += tuple(map(getattr, itertools.repeat(block.get_submodule(path)), names))
+        module = block
+        for part in path:
+            module = module._modules[part]
+        values += tuple(map(getattr, itertools.repeat(module), names))
     return values
 
 

@@ -380,9 +380,9 @@ class _Layers(nn.Module):
     """``GatedLayer``s, each called once, through ``torch.utils.checkpoint`` when
     ``checkpointed`` (its calls are then in a subgraph of the step's graph)."""
 
-    def __init__(self, count: int, checkpointed: bool = False) -> None:
+    def __init__(self, count: int, checkpointed: bool = False, layer: type = GatedLayer) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(GatedLayer(16, False) for _ in range(count))
+        self.layers = nn.ModuleList(layer(16, False) for _ in range(count))
         self.checkpointed = checkpointed
 
     def forward(self, h):
@@ -436,6 +436,46 @@ def test_a_flag_changed_between_steps_is_seen_in_the_gradients_that_stay_none(re
             reference(h).sum().backward()
             step(h).sum().backward()
             _assert_grads_as_eager(model, reference, frozen)
+
+
+class _GatedByDefault(GatedLayer):
+    """``GatedLayer`` whose flag is its class's until a layer sets its own."""
+
+    frozen = False
+
+    def __init__(self, dim: int, frozen: bool) -> None:
+        super().__init__(dim, frozen)
+        del self.frozen
+
+
+@pytest.mark.structure
+def test_a_flag_the_class_holds_until_a_layer_sets_its_own_is_seen_in_the_gradients():
+    """``frozen = False`` in the class body, then ``layer.frozen = True`` on one layer after
+    the first step, dropped again, then the class's default changed for all: each change
+    traces the step again. Before, the flags read were the instances' own only, so the first
+    step's answer held: the gate got zeros where eager leaves None. One gloo rank."""
+    torch.manual_seed(0)
+    reference = _Layers(3, layer=_GatedByDefault)
+    model = copy.deepcopy(reference)
+    h = torch.randn(2, 8, 16)
+    with one_rank_group():
+        fully_shard(model)
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        try:
+            for frozen, default in (("FFF", False), ("FTF", False), ("FFF", False), ("FFF", True), ("FTF", False)):
+                _GatedByDefault.frozen = default
+                for layers in (reference, model):
+                    for layer, flag in zip(layers.layers, frozen):
+                        if flag == "T":
+                            layer.frozen = True
+                        elif "frozen" in vars(layer):
+                            del layer.frozen
+                    layers.zero_grad(set_to_none=True)
+                reference(h).sum().backward()
+                step(h).sum().backward()
+                _assert_grads_as_eager(model, reference, (frozen, default))
+        finally:
+            _GatedByDefault.frozen = False
 
 
 @pytest.mark.structure
