@@ -8,6 +8,7 @@ import enum
 import itertools
 import warnings
 import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -202,7 +203,10 @@ def _flag(value: Any) -> Any:
     """``value`` as a flag, or ``_NOT_A_FLAG``."""
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
         value = value.item()  # a numpy scalar, without importing numpy
-    return value if value is None or isinstance(value, (bool, str, enum.Enum)) else _NOT_A_FLAG
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    # An enum whose class defines __eq__ alone has no hash: it cannot key a fake run.
+    return value if isinstance(value, enum.Enum) and isinstance(value, Hashable) else _NOT_A_FLAG
 
 
 def tensor_metadata(tensor: Tensor) -> tuple:

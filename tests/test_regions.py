@@ -651,7 +651,8 @@ def test_a_flag_the_step_sets_before_a_call_is_read_as_eager_reads_it(held_by):
 def test_the_flags_that_tell_layers_apart_are_bools_strings_enums_and_nones():
     """``python_flags``, which keys the fake runs: a flag in any of its forms (an underscore
     name, a ``str`` enum as HF's ``ExplicitEnum``, numpy's bool) tells two layers apart; a
-    number (HF's ``layer_idx``, a per-layer init scale) and a container's contents do not."""
+    number (HF's ``layer_idx``, a per-layer init scale), a container's contents and an enum
+    without a hash do not."""
 
     class Mode(str, enum.Enum):
         TRAIN = "train"
@@ -670,9 +671,19 @@ def test_the_flags_that_tell_layers_apart_are_bools_strings_enums_and_nones():
     first, second = GatedLayer(16, False), GatedLayer(16, False)
     first.a_scale, first.b_scale, second.a_scale, second.b_scale = None, "x", "x", None
     assert python_flags(first) != python_flags(second)  # the same values, held under other names
-    for name, a, b in (("layer_idx", 0, 1), ("weight_init_std", 0.02, 0.01), ("kwargs", {"target": "a"}, {"target": "b"})):
+
+    class Unhashable(enum.Enum):  # __eq__ alone: no hash, so it cannot key a fake run
+        ON = 1
+        OFF = 2
+
+        def __eq__(self, other):
+            return self is other
+
+    for name, a, b in (("layer_idx", 0, 1), ("weight_init_std", 0.02, 0.01), ("kwargs", {"target": "a"}, {"target": "b"}),
+                       ("switch", Unhashable.ON, Unhashable.OFF)):
         first, second = layers(name, a, b)
         assert first == second, name
+    hash(first)
 
 
 class _ScaledBlock(nn.Module):
