@@ -32,7 +32,7 @@ from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_weight
 from fsdp_compile.flat_params import forget_graded
 from fsdp_compile.fsdp2_methods import fsdp2_methods
-from fsdp_compile.records import ShardInfo, gathered_params, shard_info
+from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, is_outermost_unit, shard_info
 from fsdp_compile.state_loading import load_into_shards
 
 
@@ -302,6 +302,12 @@ def _reset_iter_state(self: nn.Module) -> None:
     accumulated without gradient sync since the last reduction is dropped, as FSDP2 drops it
     (restart the micro-batch sequence); sync stays as it was. Nothing else outlives a failed
     step here: the gathers and reductions are the compiled step's own."""
+    if not is_outermost_unit(self):
+        # On a part of the model it would leave the rest's sum in place, without a word.
+        raise UsageError(
+            f"reset_iter_state() was called on a {built_class_name(self)} inside the model: call "
+            "it on the module fully_shard was called on last (the root), as FSDP2 requires."
+        )
     for param in gathered_params(self):
         info = shard_info(param)
         if info is None:

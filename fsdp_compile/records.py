@@ -204,6 +204,12 @@ def is_fully_sharded(module: nn.Module) -> bool:
     return getattr(module, "_mfsdp_unit", None) is not None
 
 
+def is_outermost_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is the outermost one ``fully_shard`` was called on, the model's root:
+    ``outermost_unit.install_outermost_hook`` hangs its hook there alone."""
+    return "_mfsdp_outermost_hooks" in vars(module)
+
+
 def gathered_params(module: nn.Module) -> list[nn.Parameter]:
     """The sharded tensors a step gathers for ``module``, each once: its parameters, except
     that the members of a flat parameter (NOTE: flat parameters, in flat_params.py) are

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fsdp_compile.node_meta import PREFETCH
-from fsdp_compile import MfsdpBackend, fully_shard, set_requires_gradient_sync
+from fsdp_compile import MfsdpBackend, UsageError, fully_shard, set_requires_gradient_sync
 from fsdp_compile.block_call import BLOCK_FORWARD
 from fsdp_compile.block_record import call_record, python_flags, register_call
 from fsdp_compile.testing.models import RMSNorm, TransformerConfig, loss_fn, make_batch
@@ -484,13 +484,16 @@ def test_reset_iter_state_drops_what_the_given_up_micro_batches_accumulated(comp
     """FSDP2's recovery when a micro-batch raised: ``reset_iter_state()``, then the sequence
     starts again (fsdp2_methods.py). The gradient is the new sequence's alone, and layer 1's
     gate, reached only by the given-up micro-batch (frozen after), keeps None, as in eager,
-    not zeros. One gloo rank."""
+    not zeros. Called on a part of the model it is refused, as FSDP2 refuses it. One gloo
+    rank."""
     reference, model, h, given_up = _three_layers_and_a_copy()
     with one_rank_group():
         fully_shard(model)
         step = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
         model.set_requires_gradient_sync(False)
         step(given_up).sum().backward()
+        with pytest.raises(UsageError, match=r"reset_iter_state\(\) was called on a Linear inside the model"):
+            model.layers[0].a.reset_iter_state()  # it would leave the other layers' sum
         model.reset_iter_state()
         _set_frozen("FTF", reference, model)
         for sync in (False, True):
