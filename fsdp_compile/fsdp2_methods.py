@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_compile.errors import UsageError
 
-__all__ = ["fsdp2_methods"]
+__all__ = ["FSDP2_METHODS", "MESSAGES"]
 
 _DECIDED_AT_FULLY_SHARD = (
     "mfsdp decides it at fully_shard, before the step is compiled: pass "
@@ -118,10 +118,9 @@ def _set_unshard_in_backward(self: nn.Module, unshard_in_backward: bool) -> None
     _check_bool("set_unshard_in_backward", unshard_in_backward)
 
 
-def fsdp2_methods() -> dict:
-    """FSDP2's methods a sharded class gets, but the two gathered_reads.py defines."""
-    return {
-        "set_is_last_backward": _set_is_last_backward,
-        "set_unshard_in_backward": _set_unshard_in_backward,
-        **{name: _refusal(name) for name in MESSAGES},
-    }
+FSDP2_METHODS = {
+    "set_is_last_backward": _set_is_last_backward,
+    "set_unshard_in_backward": _set_unshard_in_backward,
+    **{name: _refusal(name) for name in MESSAGES},
+}
+"""FSDP2's methods a sharded class gets, but the two gathered_reads.py defines."""

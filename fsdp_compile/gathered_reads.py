@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_weight
 from fsdp_compile.flat_params import forget_graded
-from fsdp_compile.fsdp2_methods import fsdp2_methods
+from fsdp_compile.fsdp2_methods import FSDP2_METHODS
 from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, is_outermost_unit, shard_info
 from fsdp_compile.state_loading import load_into_shards
 
@@ -324,19 +324,19 @@ def _fsdp2_methods(base: type, held: frozenset[str]) -> dict:
     """FSDP2's ``FSDPModule`` methods for a sharded subclass of ``base`` (fsdp2_methods.py):
     those ``base`` does not define itself (a model's own ``unshard`` stays the model's) and its
     instance does not hold (``held``)."""
-    methods = {
-        **fsdp2_methods(),
-        "set_requires_gradient_sync": _set_requires_gradient_sync,
-        "reset_iter_state": _reset_iter_state,
-    }
-    return {name: method for name, method in methods.items() if name not in held and not hasattr(base, name)}
+    return {name: method for name, method in _ALL_FSDP2_METHODS.items() if name not in held and not hasattr(base, name)}
 
 
-_FSDP2_NAMES = frozenset(_fsdp2_methods(nn.Module, frozenset()))
+_ALL_FSDP2_METHODS = {
+    **FSDP2_METHODS,
+    "set_requires_gradient_sync": _set_requires_gradient_sync,
+    "reset_iter_state": _reset_iter_state,
+}
 
-# One generated class per (base class, sharded names, FSDP2 names its instances hold): the properties read each instance's own
-# parameters, so every block of a repeated class shares its classes, which lets a compiled
-# body serve them all (see fsdp_compile/regions.py). Classes only: no instance state here.
+# One generated class per (base class, sharded names, FSDP2 names its instances hold): the
+# properties read each instance's own parameters, so every block of a repeated class shares
+# its classes, which lets a compiled body serve them all (see fsdp_compile/regions.py).
+# Classes only: no instance state here.
 _SHARDED_CLASSES: dict[tuple[type, frozenset[str], frozenset[str]], type] = {}
 
 
@@ -348,8 +348,7 @@ def install_properties(module: nn.Module, names: set[str]) -> None:
     names = frozenset(getattr(cls, "_mfsdp_names", frozenset()) | names)
     # A child module, parameter or buffer named as a method (``self.reshard = nn.Linear``)
     # stays what the module's attribute reads: a class attribute would hide it.
-    held = frozenset(name for name in (*module._modules, *module._parameters, *module._buffers))
-    held &= _FSDP2_NAMES
+    held = frozenset(n for n in (*module._modules, *module._parameters, *module._buffers) if n in _ALL_FSDP2_METHODS)
     if (base, names, held) not in _SHARDED_CLASSES:
         namespace = {
             **{name: property(functools.partial(_gathered, name=name)) for name in names},
