@@ -177,13 +177,14 @@ class ShardInfo:
         return dataclasses.replace(self, param_id=0, fqn="", global_shape=(), dtensor_shape=())
 
 
-# The first "<name>.<index>." of a dotted path: a ModuleList / Sequential child, i.e. one block.
+# The first "<name>.<index>." of a dotted path: a ModuleList / Sequential child, or a
+# ModuleDict's keyed by its index as torchtitan's layers are, i.e. one block.
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 
 def repeated_block(fqn: str) -> str:
     """The repeated block a dotted parameter path lies in (``layers.3`` of
-    ``layers.3.attn.wqkv.weight``): its first ``ModuleList`` / ``Sequential`` child; "" for a
+    ``layers.3.attn.wqkv.weight``): its first child of a container keyed by index; "" for a
     parameter outside every block (an embedding, a final norm)."""
     match = _BLOCK.match(fqn)
     return match.group(1) if match else ""

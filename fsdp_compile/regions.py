@@ -6,8 +6,8 @@ NOTE: one body per repeated block
     through our markers inside its body could not be shared by the layers either: each
     marker carries its parameter's id, and the collectives would be hidden inside the body,
     out of reach of bucketing and prefetch. So ``fully_shard`` gives every repeated block (two
-    or more children of one class in an ``nn.ModuleList`` / ``nn.Sequential``, outermost only)
-    a forward in two parts:
+    or more children of one class in an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict``,
+    as torchtitan holds its layers; outermost only) a forward in two parts:
 
     - in the caller's graph, every sharded parameter of the block is gathered: the block's
       shards lie in flat parameters (NOTE: flat parameters, in flat_params.py), one marker
@@ -431,7 +431,7 @@ def install_regions(root: nn.Module) -> None:
                 holders[id(param)].add(id(module))
     claimed: set[int] = set()
     for container in root.modules():
-        if id(container) in claimed or not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        if id(container) in claimed or not isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             continue
         by_class = defaultdict(list)
         for child in container.children():
