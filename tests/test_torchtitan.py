@@ -2,10 +2,11 @@
 
 torchtitan keeps its layers in an ``nn.ModuleDict`` keyed "0", "1", ..., hands every layer a
 complex rotary buffer with keyword arguments that are None, wraps each layer in torch's
-``checkpoint_wrapper`` for activation checkpointing, and builds on the meta device, then
-``to_empty`` and ``init_weights`` (``fsdp_compile.testing.titan``). Before, only the layers of an
-``nn.ModuleList`` or ``nn.Sequential`` were repeated blocks: a ModuleDict's were traced
-inline in the step, every layer's ops compiled again, with nothing said.
+``checkpoint_wrapper`` for activation checkpointing (whole, or selective by op), and builds
+on the meta device, then ``to_empty`` and ``init_weights`` (``fsdp_compile.testing.titan``).
+Before, only the layers of an ``nn.ModuleList`` or ``nn.Sequential`` were repeated blocks: a
+ModuleDict's were traced inline in the step, every layer's ops compiled again, with nothing
+said.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ def _built(how: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         reference.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
         return reference, model
     model = copy.deepcopy(reference)
-    if how == "checkpoint_wrapper":
-        checkpoint_layers(reference), checkpoint_layers(model)
+    if how != "plain":
+        for layers in (reference, model):
+            checkpoint_layers(layers, selective=how == "selective_checkpoint")
     return reference, fully_shard(model)
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("how", ["plain", "checkpoint_wrapper", "meta_init"])
+@pytest.mark.parametrize("how", ["plain", "checkpoint_wrapper", "selective_checkpoint", "meta_init"])
 def test_layers_in_a_module_dict_are_one_body_called_per_layer_at_eager_s_results(how):
     """Each layer of the ModuleDict is one block call of one body compiled once (its SDPA in
     the body, none in the step), the step one graph with nothing said, and three AdamW steps

@@ -7,12 +7,13 @@ that are None; ``init_weights`` methods for a model built on the meta device, th
 recomputing the buffer on the device given; rotary embeddings through ``view_as_complex``,
 key/value heads repeated, causal SDPA, ``nn.RMSNorm``; and a per-layer init scale, a float
 that differs between layers. Activation checkpointing, as torchtitan applies it, replaces
-each layer by torch's ``checkpoint_wrapper`` (``checkpoint_layers``).
+each layer by torch's ``checkpoint_wrapper``, whole or selective (``checkpoint_layers``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -144,11 +145,31 @@ class Transformer(nn.Module):
         return self.output(h) if self.output else h
 
 
-def checkpoint_layers(model: Transformer) -> Transformer:
-    """Each layer replaced by torch's ``checkpoint_wrapper`` of it, in place, as torchtitan's
-    full activation checkpointing does."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+_KEPT_BY_SELECTIVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
 
+
+def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
+    """torchtitan's selective policy, simplified: the matmuls' and attention's outputs kept,
+    everything else recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_layers(model: Transformer, *, selective: bool = False) -> Transformer:
+    """Each layer replaced by torch's ``checkpoint_wrapper`` of it, in place, as torchtitan's
+    activation checkpointing does: every activation recomputed, or with ``selective`` the
+    matmuls' and attention's outputs kept (torchtitan's op-level selective mode)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    options = {"context_fn": partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)} if selective else {}
     for key, layer in model.layers.named_children():
-        model.layers.register_module(key, checkpoint_wrapper(layer, preserve_rng_state=False))
+        model.layers.register_module(key, checkpoint_wrapper(layer, preserve_rng_state=False, **options))
     return model
