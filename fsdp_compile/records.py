@@ -177,17 +177,27 @@ class ShardInfo:
         return dataclasses.replace(self, param_id=0, fqn="", global_shape=(), dtensor_shape=())
 
 
-# The first "<name>.<index>." of a dotted path: a ModuleList / Sequential child, or a
-# ModuleDict's keyed by its index as torchtitan's layers are, i.e. one block.
+# The first "<name>.<index>." of a dotted path: one layer of a stack (``stack_layers``).
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
+_STACKS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def repeated_block(fqn: str) -> str:
     """The repeated block a dotted parameter path lies in (``layers.3`` of
-    ``layers.3.attn.wqkv.weight``): its first child of a container keyed by index; "" for a
-    parameter outside every block (an embedding, a final norm)."""
+    ``layers.3.attn.wqkv.weight``): its first layer of a stack; "" for a parameter outside
+    every block (an embedding, a final norm)."""
     match = _BLOCK.match(fqn)
     return match.group(1) if match else ""
+
+
+def stack_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers ``module`` stacks, if it is a ModuleList, Sequential or ModuleDict: its
+    children keyed by index (a ModuleDict's only there, as torchtitan keys its layers; the
+    parts nanoGPT names ``wte`` and ``wpe`` are no layers), but those that are lists or dicts
+    themselves, which have no forward: their own children are the layers."""
+    if not isinstance(module, _STACKS):
+        return []
+    return [c for key, c in module.named_children() if key.isdigit() and not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
 
 
 def shard_info(param: object) -> ShardInfo | None:

@@ -6,8 +6,8 @@ NOTE: one body per repeated block
     through our markers inside its body could not be shared by the layers either: each
     marker carries its parameter's id, and the collectives would be hidden inside the body,
     out of reach of bucketing and prefetch. So ``fully_shard`` gives every repeated block (two
-    or more children of one class in an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict``,
-    as torchtitan holds its layers; outermost only) a forward in two parts:
+    or more layers of one class in a stack, ``records.stack_layers``: an ``nn.ModuleList``,
+    ``nn.Sequential`` or torchtitan's ``nn.ModuleDict``; outermost only) a forward in two parts:
 
     - in the caller's graph, every sharded parameter of the block is gathered: the block's
       shards lie in flat parameters (NOTE: flat parameters, in flat_params.py), one marker
@@ -54,7 +54,7 @@ from fsdp_compile.block_record import BlockCall, FlatCopy, python_flags, registe
 from fsdp_compile.block_runtime import as_dtensors, autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat
 from fsdp_compile.gathered_reads import copied_module, float8_read, unshard_marker
-from fsdp_compile.records import next_param_id, shard_info
+from fsdp_compile.records import next_param_id, shard_info, stack_layers
 from fsdp_compile.region_body import region_body, region_inline, structure
 from fsdp_compile.region_tables import (
     BLOCK_KEYS, BLOCKS, RECIPES, RegionLayout, block_flag_sources, call_layout, call_output_form, gather_recipe, layers_of, opened_at, param_at,
@@ -431,10 +431,10 @@ def install_regions(root: nn.Module) -> None:
                 holders[id(param)].add(id(module))
     claimed: set[int] = set()
     for container in root.modules():
-        if id(container) in claimed or not isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        if id(container) in claimed:
             continue
         by_class = defaultdict(list)
-        for child in container.children():
+        for child in stack_layers(container):
             by_class[getattr(type(child), "_mfsdp_region_base", type(child))].append(child)
         for blocks in (b for b in by_class.values() if len(b) > 1):
             # A weight shared between layers: held by a module outside the block, or reached

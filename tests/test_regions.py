@@ -72,6 +72,83 @@ def test_six_layers_compile_one_body_once():
     assert len(compiled) == 1
 
 
+class _Layer(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        return h + self.proj(self.norm(h))
+
+
+class _NanoGPT(nn.Module):
+    """nanoGPT's layout: named parts in a ModuleDict, two embeddings among them, the layers in a
+    ModuleList inside it, the head tied to the token embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(32, 16), wpe=nn.Embedding(8, 16), h=nn.ModuleList(_Layer() for _ in range(2)), ln_f=nn.LayerNorm(16),
+        ))
+        self.lm_head = nn.Linear(16, 32, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, tokens):
+        h = self.transformer.wte(tokens) + self.transformer.wpe(torch.arange(tokens.shape[1]))
+        for layer in self.transformer.h:
+            h = layer(h)
+        return self.lm_head(self.transformer.ln_f(h))
+
+
+class _Stacks(nn.Module):
+    """Two stacks of layers, each a ModuleList, held in a ModuleDict by name (``dict``) or in a
+    ModuleList (``list``): the stacks are containers, their children the layers."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        stacks = [nn.ModuleList(_Layer() for _ in range(2)) for _ in range(2)]
+        self.stacks = nn.ModuleDict(dict(encoder=stacks[0], decoder=stacks[1])) if holder == "dict" else nn.ModuleList(stacks)
+        self.head = nn.Linear(16, 32, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for stack in self.stacks.values() if isinstance(self.stacks, nn.ModuleDict) else self.stacks:
+            for layer in stack:
+                h = layer(h)
+        return self.head(h)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("model_class", [_NanoGPT, lambda: _Stacks("dict"), lambda: _Stacks("list")], ids=["nanogpt", "stacks_in_a_dict", "stacks_in_a_list"])
+def test_only_the_layers_of_a_stack_are_repeated_blocks(model_class):
+    """A ModuleDict's children are layers only where keyed by index (torchtitan's): nanoGPT's
+    two embeddings, named parts, became regions of their own, the tied one traced inline and
+    said to be a weight shared between layers. A stack of stacks made the inner lists the
+    blocks, their layers traced inline and each list gathered in one piece. Each layer is one
+    call of one body, nothing said, loss and gradients eager's bit for bit (one gloo rank)."""
+    torch.manual_seed(0)
+    reference = model_class()
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    with one_rank_group(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        loss = torch.compile(model, backend=backend)(tokens).square().mean()
+        loss.backward()
+    expected = reference(tokens).square().mean()
+    expected.backward()
+    assert not [str(w.message) for w in said if "repeated" in str(w.message)]
+    assert torch.equal(loss, expected)
+    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(got.grad.full_tensor(), want.grad), name
+    (graph,) = backend.graphs
+    layers = sum(isinstance(m, _Layer) for m in model.modules())
+    assert len(_calls(graph.dynamo)) == layers and [len(b) for b in backend.bodies.values()] == [1]
+
+
 @pytest.mark.structure
 def test_each_torch_compile_call_by_name_owns_the_backend_of_its_bodies():
     """``backend="mfsdp"`` makes a backend object per graph; the bodies' frames are compiled
