@@ -192,12 +192,13 @@ def repeated_block(fqn: str) -> str:
 
 def stack_layers(module: nn.Module) -> list[nn.Module]:
     """The layers ``module`` stacks, if it is a ModuleList, Sequential or ModuleDict: its
-    children keyed by index (a ModuleDict's only there, as torchtitan keys its layers; the
+    children (a ModuleDict's only where keyed by index, as torchtitan keys its layers; the
     parts nanoGPT names ``wte`` and ``wpe`` are no layers), but those that are lists or dicts
     themselves, which have no forward: their own children are the layers."""
     if not isinstance(module, _STACKS):
         return []
-    return [c for key, c in module.named_children() if key.isdigit() and not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
+    any_key = not isinstance(module, nn.ModuleDict)
+    return [c for key, c in module.named_children() if (any_key or key.isdigit()) and not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
 
 
 def shard_info(param: object) -> ShardInfo | None:

@@ -10,6 +10,7 @@ for layer 0 with its value baked in is off by far more than rounding.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import enum
@@ -101,6 +102,18 @@ class _NanoGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(h))
 
 
+class _NamedSequential(nn.Module):
+    """Layers in an ``nn.Sequential`` built from named children (torchvision's DenseNet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.body = nn.Sequential(collections.OrderedDict((f"block{i}", _Layer()) for i in range(3)))
+
+    def forward(self, tokens):
+        return self.body(self.embed(tokens))
+
+
 class _Stacks(nn.Module):
     """Two stacks of layers, each a ModuleList, held in a ModuleDict by name (``dict``) or in a
     ModuleList (``list``): the stacks are containers, their children the layers."""
@@ -121,13 +134,17 @@ class _Stacks(nn.Module):
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("model_class", [_NanoGPT, lambda: _Stacks("dict"), lambda: _Stacks("list")], ids=["nanogpt", "stacks_in_a_dict", "stacks_in_a_list"])
+@pytest.mark.parametrize(
+    "model_class", [_NanoGPT, lambda: _Stacks("dict"), lambda: _Stacks("list"), _NamedSequential],
+    ids=["nanogpt", "stacks_in_a_dict", "stacks_in_a_list", "named_sequential"],
+)
 def test_only_the_layers_of_a_stack_are_repeated_blocks(model_class):
     """A ModuleDict's children are layers only where keyed by index (torchtitan's): nanoGPT's
     two embeddings, named parts, became regions of their own, the tied one traced inline and
-    said to be a weight shared between layers. A stack of stacks made the inner lists the
-    blocks, their layers traced inline and each list gathered in one piece. Each layer is one
-    call of one body, nothing said, loss and gradients eager's bit for bit (one gloo rank)."""
+    said to be a weight shared between layers. A Sequential's are, whatever their names. A
+    stack of stacks made the inner lists the blocks, their layers traced inline. Each layer
+    is one call of one body, nothing said, loss and gradients eager's bit for bit (one gloo
+    rank)."""
     torch.manual_seed(0)
     reference = model_class()
     model = copy.deepcopy(reference)
