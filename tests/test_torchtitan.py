@@ -19,11 +19,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.block_call import BLOCK_FORWARD
+from fsdp_compile.testing.models import loss_fn
 from fsdp_compile.testing.titan import TitanConfig, Transformer, checkpoint_layers
 from harness import fake_process_group, one_rank_group
 
@@ -32,7 +32,8 @@ STEPS = 3
 
 
 def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+    """The next token's cross-entropy (torchtitan's training loss)."""
+    return loss_fn(logits, tokens.roll(-1, 1))
 
 
 def _built(how: str) -> tuple[torch.nn.Module, torch.nn.Module]:
