@@ -41,6 +41,7 @@ from fsdp_compile.records import (
     MixedPrecision,
     ShardInfo,
     TensorParallelRead,
+    block_paths,
     next_param_id,
     repeated_block,
     shard_info,
@@ -84,9 +85,9 @@ def _managed_params(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
     return found
 
 
-def _reshards(choice: bool | None, fqn: str) -> bool:
-    """Whether the parameter at ``fqn`` (relative to the module ``fully_shard`` got) is freed
-    after forward.
+def _reshards(choice: bool | None, block: str) -> bool:
+    """Whether a parameter in the repeated block ``block`` ("" outside every block:
+    ``records.repeated_block``) is freed after forward.
 
     NOTE: the reshard default
         ``reshard_after_forward=None`` (ZeRO-3) does what FSDP2 does with its root: a
@@ -98,7 +99,7 @@ def _reshards(choice: bool | None, fqn: str) -> bool:
         freeing them buys little and costs one all-gather and one reduce-scatter per step
         more than FSDP2. ``True`` frees every parameter of the unit; ``False`` keeps all.
     """
-    return choice if choice is not None else repeated_block(fqn) != ""
+    return choice if choice is not None else block != ""
 
 
 def _reshard_wrapped_units(module: nn.Module) -> None:
@@ -205,10 +206,11 @@ def fully_shard(
     unit = unit_name(module)
 
     sharded: dict[int, nn.Parameter] = {}
+    blocks = block_paths(module)
     for name, expert_module in marked:
         experts = assign_experts(name, expert_module, expert_mesh, strategy, shard_experts, unit_name(expert_module))
         for expert in experts:
-            sharded[id(expert.param)] = _expert_shard(expert, reshard_after_forward, mp_policy)
+            sharded[id(expert.param)] = _expert_shard(expert, repeated_block(expert.fqn, blocks), reshard_after_forward, mp_policy)
     for key, (fqn, param) in _managed_params(module).items():
         if key in sharded:
             continue
@@ -217,11 +219,12 @@ def fully_shard(
             sharded[key] = param._mfsdp_sharded_as
             continue
         float8 = float8_weights.get(key)
-        reshards = _reshards(reshard_after_forward, fqn)
+        block = repeated_block(fqn, blocks)
+        reshards = _reshards(reshard_after_forward, block)
         if isinstance(param, DTensor):  # placed by tensor parallelism (check_tensor_parallel)
-            sharded[key] = _tensor_parallel_shard(param, fqn, unit, strategy, mesh, reshards, mp_policy, float8)
+            sharded[key] = _tensor_parallel_shard(param, fqn, block, unit, strategy, mesh, reshards, mp_policy, float8)
             continue
-        info = _dense_info(param, fqn, unit, strategy, mesh, reshards, mp_policy, float8)
+        info = _dense_info(param, fqn, block, unit, strategy, mesh, reshards, mp_policy, float8)
         # A float8 weight: the fp32 master inside torchao's wrapper is what is sharded.
         values = master_weight(param) if float8 else None
         sharded[key] = _shard(param, mesh, _placements(strategy, mesh), info, values)
@@ -245,7 +248,7 @@ def _dtypes(mp_policy: MixedPrecision, stored: torch.dtype) -> dict:
 
 
 def _dense_info(
-    param: nn.Parameter, fqn: str, unit: str, strategy: Strategy, mesh: DeviceMesh, reshards: bool,
+    param: nn.Parameter, fqn: str, block: str, unit: str, strategy: Strategy, mesh: DeviceMesh, reshards: bool,
     mp_policy: MixedPrecision, float8: Float8Gather | None,
 ) -> ShardInfo:
     """The record of a parameter sharded over ``mesh``'s last dimension (replicated over its
@@ -255,6 +258,7 @@ def _dense_info(
     return ShardInfo(
         param_id=next_param_id(),
         fqn=fqn,
+        block=block,
         unit=unit,
         global_shape=tuple(param.shape),
         dtensor_shape=tuple(param.shape),
@@ -271,7 +275,7 @@ def _dense_info(
 
 
 def _tensor_parallel_shard(
-    param: nn.Parameter, fqn: str, unit: str, strategy: Strategy, mesh: DeviceMesh, reshards: bool,
+    param: nn.Parameter, fqn: str, block: str, unit: str, strategy: Strategy, mesh: DeviceMesh, reshards: bool,
     mp_policy: MixedPrecision, float8: Float8Gather | None,
 ) -> nn.Parameter:
     """A parameter tensor parallelism placed (a DTensor on a 1-D tensor-parallel mesh),
@@ -286,7 +290,7 @@ def _tensor_parallel_shard(
     local = master_weight(local) if float8 else local
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
     info = dataclasses.replace(
-        _dense_info(local, fqn, unit, strategy, mesh, reshards, mp_policy, float8),
+        _dense_info(local, fqn, block, unit, strategy, mesh, reshards, mp_policy, float8),
         dtensor_shape=tuple(param.shape),
         tensor_parallel=TensorParallelRead(
             tp_mesh, tp_placements, tuple(param.shape), param.stride(), tp_mesh.get_group().group_name
@@ -340,11 +344,12 @@ def _shard(
 
 
 def _expert_shard(
-    expert: ExpertParam, reshard_after_forward: bool | None, mp_policy: MixedPrecision
+    expert: ExpertParam, block: str, reshard_after_forward: bool | None, mp_policy: MixedPrecision
 ) -> nn.Parameter:
     info = ShardInfo(
         param_id=next_param_id(),
         fqn=expert.fqn,
+        block=block,
         unit=expert.unit,
         global_shape=expert.read_shape,
         dtensor_shape=tuple(expert.param.shape),
@@ -355,7 +360,7 @@ def _expert_shard(
         replicate_world=1,
         grad_divisor=expert.grad_divisor,
         reshard_after_forward=(
-            _reshards(reshard_after_forward, expert.fqn) and expert.strategy == "optim_grads_params"
+            _reshards(reshard_after_forward, block) and expert.strategy == "optim_grads_params"
         ),
         ep_group_outside_mesh=expert.ep_group_outside_mesh,
         **_dtypes(mp_policy, expert.param.dtype),

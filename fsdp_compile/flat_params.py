@@ -244,6 +244,7 @@ def make_flat(members: list[nn.Parameter], *, param_id: int, fqn: str, names: tu
     info = ShardInfo(
         param_id=param_id,
         fqn=fqn,
+        block=first.block,
         unit=first.unit,
         global_shape=(rows,),
         dtensor_shape=(rows,),

@@ -6,7 +6,7 @@ NOTE: bucket rules
 
     A bucket is a run of parameters, consecutive in the order the forward first reads them, that
     share a key: their ``fully_shard`` unit, or, when the root was the only unit, the repeated block
-    their fqn names (``layers.3.`` of ``layers.3.attn.wqkv.weight``), plus whether they are freed
+    they lie in (``ShardInfo.block``: ``layers.3``, one layer of a stack), plus whether they are freed
     after forward, their process groups, strategy, wire dtype, gradient-reduction dtype and reduce
     op, so a bucket never mixes groups, strategies, dtypes, reduce ops or reshard decisions. A run
     longer than the byte cap is split greedily; a parameter larger than the cap is a bucket of its
@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import get_plain_tensors
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile.records import repeated_block, shard_info
+from fsdp_compile.records import shard_info
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.markers import gradient_reduce_op
 from fsdp_compile.patterns import is_unshard, marker_param_id
@@ -154,7 +154,7 @@ def plan_buckets(
         # The strategy and replicate group decide which collectives a member has at all.
         s = p.sharding
         return (
-            repeated_block(p.fqn) if one_unit else s.unit,
+            s.block if one_unit else s.unit,
             s.reshard_after_forward,
             s.group_name,
             s.replicate_group_name,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +110,9 @@ class ShardInfo:
     unit: str
     """The ``fully_shard`` call that owns it, by that module's class and call number
     (``Block#3``; a bucketing hint)."""
+    block: str
+    """The repeated block it lies in, by its path relative to the module ``fully_shard`` got
+    (``repeated_block``); "" outside every block. The reshard default and the buckets read it."""
     global_shape: tuple[int, ...]
     """Shape a read returns: the unsharded parameter, or for stacked expert-parallel weights
     only this EP rank's experts."""
@@ -177,17 +179,28 @@ class ShardInfo:
         return dataclasses.replace(self, param_id=0, fqn="", global_shape=(), dtensor_shape=())
 
 
-# The first "<name>.<index>." of a dotted path: one layer of a stack (``stack_layers``).
-_BLOCK = re.compile(r"^(.*?\.\d+)\.")
 _STACKS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
-def repeated_block(fqn: str) -> str:
-    """The repeated block a dotted parameter path lies in (``layers.3`` of
-    ``layers.3.attn.wqkv.weight``): its first layer of a stack; "" for a parameter outside
-    every block (an embedding, a final norm)."""
-    match = _BLOCK.match(fqn)
-    return match.group(1) if match else ""
+def block_paths(module: nn.Module) -> frozenset[str]:
+    """The paths, relative to ``module``, of the layers of every stack inside it
+    (``stack_layers``): what ``repeated_block`` reads a parameter's block from. The layers of
+    ``module`` itself, when it is a stack, are its own parts, not blocks:
+    ``fully_shard(nn.Sequential(...))`` keeps them with their unit as FSDP2 keeps a unit's
+    parameters."""
+    paths = {id(m): name for name, m in module.named_modules()}
+    return frozenset(
+        paths[id(layer)] for name, stack in module.named_modules() if name for layer in stack_layers(stack)
+    )
+
+
+def repeated_block(fqn: str, blocks: frozenset[str]) -> str:
+    """The repeated block a dotted parameter path lies in: the outermost of ``blocks``
+    (``block_paths``) that holds it (``layers.3`` of ``layers.3.attn.wqkv.weight``; in a stack
+    of lists, ``groups.0.3``), "" for a parameter outside every block (an embedding, a final
+    norm)."""
+    parts = fqn.split(".")
+    return next((p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in blocks), "")
 
 
 def stack_layers(module: nn.Module) -> list[nn.Module]:

@@ -87,7 +87,7 @@ def _param(
     strategy="optim_grads_params", replicas="",
 ):
     sharding = ShardInfo(
-        param_id=param_id, fqn=fqn, unit=unit, global_shape=(rows, 4), dtensor_shape=(rows, 4),
+        param_id=param_id, fqn=fqn, block=fqn.rpartition(".")[0], unit=unit, global_shape=(rows, 4), dtensor_shape=(rows, 4),
         strategy=strategy, group_name=group, world=2, replicate_group_name=replicas,
         replicate_world=2 if replicas else 1, grad_divisor=4 if replicas else 2,
         reshard_after_forward=True, param_dtype=dtype, reduce_dtype=dtype,

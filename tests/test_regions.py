@@ -144,7 +144,9 @@ def test_only_the_layers_of_a_stack_are_repeated_blocks(model_class):
     said to be a weight shared between layers. A Sequential's are, whatever their names. A
     stack of stacks made the inner lists the blocks, their layers traced inline. Each layer
     is one call of one body, nothing said, loss and gradients eager's bit for bit (one gloo
-    rank)."""
+    rank). Each layer's parameters are a bucket of their own, freed after forward: the buckets
+    read a block from the path, cut at its first index, so a stack of lists bucketed each
+    inner list whole and a named Sequential's layers stayed gathered with the root."""
     torch.manual_seed(0)
     reference = model_class()
     model = copy.deepcopy(reference)
@@ -164,6 +166,8 @@ def test_only_the_layers_of_a_stack_are_repeated_blocks(model_class):
     (graph,) = backend.graphs
     layers = sum(isinstance(m, _Layer) for m in model.modules())
     assert len(_calls(graph.dynamo)) == layers and [len(b) for b in backend.bodies.values()] == [1]
+    freed = [b.name for b in graph.plan.buckets if b.reshard_after_forward]
+    assert freed == [name for name, m in model.named_modules() if isinstance(m, _Layer)]
 
 
 @pytest.mark.structure
