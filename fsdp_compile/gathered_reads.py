@@ -62,7 +62,12 @@ def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict) ->
     """The ``unshard`` marker on a parameter's local shard: a real collective when run eagerly,
     one graph node when traced. ``constants``: ``marker_args(info, param.dtype)``;
     ``accumulation``: the record's accumulation state (``ShardInfo.accumulation``), which
-    Dynamo guards on, so a step recompiles when sync is turned off or on."""
+    Dynamo guards on, so a step recompiles when sync is turned off or on.
+
+    The sum the micro-batches accumulated without sync (``pending``) goes to the first read
+    after sync is turned on that can make a gradient: a read under ``torch.no_grad()`` or
+    ``inference_mode`` (an evaluation before the last micro-batch) leaves it, as FSDP2, which
+    adds the sum in backward, keeps it."""
     # Read the state's entries only when there are some: each read is a guard, and a pop a
     # side effect Dynamo records, for every parameter of every layer.
     # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
@@ -70,8 +75,19 @@ def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict) ->
     return torch.ops.fsdp_compile.unshard.default(
         local,
         accumulation.get("accumulator") if accumulation else None,
-        accumulation.pop("pending", None) if accumulation else None,
+        _take_pending(accumulation) if accumulation and torch.is_grad_enabled() else None,
         *constants,
+    )
+
+
+def _take_pending(accumulation: dict) -> torch.Tensor | None:
+    """The accumulated sum, taken from the state once. Under ``torch.utils.checkpoint``
+    Dynamo refuses a side effect, which an eager recompute would replay, and then compiles
+    no part of the step: here the forward's read takes the sum and its backward adds it, and
+    the recompute (in the graph, or eager, the sum held by the forward's ``ctx``) takes
+    nothing."""
+    return torch._dynamo.utils._disable_side_effect_safety_checks_for_current_subtracer(
+        accumulation.pop, "pending", None
     )
 
 
@@ -251,7 +267,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     With sync off, backward runs no collective: each parameter's full, unreduced gradient is
     summed locally (in ``reduce_dtype``; this costs one full-size gradient per parameter, as in
     FSDP2). Turning sync on again makes the next forward/backward reduce that sum together with
-    its own gradient, once. Applies to every sharded parameter under ``module``; also a method
+    its own gradient, once (a forward under ``no_grad`` leaves the sum: ``unshard_marker``). Applies to every sharded parameter under ``module``; also a method
     of modules ``fully_shard`` returned (``model.set_requires_gradient_sync(False)``).
     """
     if not isinstance(requires_gradient_sync, bool):

@@ -315,7 +315,10 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
     ctx.shard_rows = shard.shape[0]
     ctx.shard_dtype = shard.dtype
     ctx.accumulates = accumulator is not None
-    ctx.save_for_backward(pending)
+    # Held on ctx, not saved: a non-reentrant checkpoint counts the tensors a forward saves
+    # and its recompute saves again, and the recompute's read finds the sum taken by the
+    # forward's (``unshard_marker``). The backward that runs is the forward's, which holds it.
+    ctx.pending = pending
     # A gathered weight the step's backward gives no gradient (read only under no_grad in a
     # block's body: NOTE: parameters without a gradient) reaches the backward as None, not
     # as zeros: its parameter's .grad stays None, and no reduction of zeros runs (the
@@ -331,10 +334,9 @@ def _unshard_backward(ctx, grad: Tensor | None):
         # A micro-batch without gradient sync: no collective; autograd sums the full
         # gradient into accumulator.grad, in reduce_dtype so bf16 compute accumulates in fp32.
         return None, grad.to(ctx.reduce_dtype), *[None] * 9
-    (pending,) = ctx.saved_tensors
     reduced = reduce_grad(
         grad.contiguous(),
-        pending,
+        ctx.pending,
         ctx.param_id,
         ctx.shard_rows,
         ctx.group_name,

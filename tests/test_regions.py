@@ -478,14 +478,15 @@ class _Layers(nn.Module):
     """``GatedLayer``s, each called once, through ``torch.utils.checkpoint`` when
     ``checkpointed`` (its calls are then in a subgraph of the step's graph)."""
 
-    def __init__(self, count: int, checkpointed: bool = False, layer: type = GatedLayer) -> None:
+    def __init__(self, count: int, checkpointed: bool = False, layer: type = GatedLayer, reentrant: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layer(16, False) for _ in range(count))
         self.checkpointed = checkpointed
+        self.reentrant = reentrant
 
     def forward(self, h):
         for layer in self.layers:
-            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False) if self.checkpointed else layer(h)
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=self.reentrant) if self.checkpointed else layer(h)
         return h
 
 
@@ -599,6 +600,57 @@ def test_reset_iter_state_drops_what_the_given_up_micro_batches_accumulated(comp
             step(h).sum().backward()
             reference(h).sum().backward()
         _assert_grads_as_eager(model, reference, "after reset_iter_state")
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("evaluation", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_evaluation_before_the_last_micro_batch_leaves_it_the_accumulated_sum(compiled, evaluation):
+    """A forward without gradients (an evaluation, under ``no_grad`` or ``inference_mode``)
+    between turning gradient sync on and the last micro-batch's forward: the last backward
+    adds what the micro-batches before it accumulated, as FSDP2 does. The evaluation's reads
+    took that sum, and with no backward of theirs to add it, the gradient was the last
+    micro-batch's alone. One gloo rank."""
+    reference, model, h, h2 = _three_layers_and_a_copy()
+    with one_rank_group():
+        fully_shard(model)
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        for sync, x in ((False, h), (True, h2)):
+            model.set_requires_gradient_sync(sync)
+            if sync:
+                with evaluation():
+                    assert torch.equal(step(h), reference(h))
+            step(x).sum().backward()
+            reference(x).sum().backward()
+        _assert_grads_as_eager(model, reference, "an evaluation before the last micro-batch")
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_checkpointed_layers_accumulate_micro_batches_as_eagerly(compiled, reentrant):
+    """Each layer under ``torch.utils.checkpoint`` while micro-batches accumulate: the last
+    backward adds the sum of those before it. Non-reentrant, the checkpoint refused the
+    backward (the forward's read saved the sum, the recompute's, which found it taken, did
+    not: "A different number of tensors was saved"); reentrant, the forward runs under
+    ``no_grad``, its reads took the sum and no backward added it (the gradient was the last
+    micro-batch's alone). Compiled, the last micro-batch's step is one graph, as the others:
+    Dynamo refused taking the sum inside the checkpoint and compiled none of it. One gloo
+    rank."""
+    torch.manual_seed(0)
+    reference = _Layers(3, checkpointed=True, reentrant=reentrant)
+    model = copy.deepcopy(reference)
+    inputs = [torch.randn(2, 8, 16, requires_grad=True) for _ in range(2)]
+    with one_rank_group():
+        fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        step = torch.compile(model, backend=backend) if compiled else model
+        for sync, x in zip((False, True), inputs):
+            model.set_requires_gradient_sync(sync)
+            step(x).sum().backward()
+            reference(x).sum().backward()
+        _assert_grads_as_eager(model, reference, "checkpointed layers accumulating")
+    assert len(backend.graphs) == (2 if compiled else 0)  # sync off, then on
 
 
 class _FrozenAsAsked(nn.Module):
