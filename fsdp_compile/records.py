@@ -183,15 +183,16 @@ _STACKS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def block_paths(module: nn.Module) -> frozenset[str]:
-    """The paths, relative to ``module``, of the layers of every stack inside it
-    (``stack_layers``): what ``repeated_block`` reads a parameter's block from. The layers of
-    ``module`` itself, when it is a stack, are its own parts, not blocks:
-    ``fully_shard(nn.Sequential(...))`` keeps them with their unit as FSDP2 keeps a unit's
-    parameters."""
+    """The paths, relative to ``module``, of the blocks ``repeated_block`` reads a
+    parameter's from: every child a stack inside ``module`` (``module`` too) holds, but
+    stacks of their own (a list, a dict keyed by index); a dict keyed by name in a list is
+    one layer's parts, its forward the caller's loop, and a block."""
     paths = {id(m): name for name, m in module.named_modules()}
-    return frozenset(
-        paths[id(layer)] for name, stack in module.named_modules() if name for layer in stack_layers(stack)
-    )
+    return frozenset(paths[id(child)] for stack in module.modules() for child in _stacked(stack) if not _is_stack_of_its_own(child))
+
+
+def _is_stack_of_its_own(module: nn.Module) -> bool:
+    return isinstance(module, nn.ModuleList) or (isinstance(module, nn.ModuleDict) and bool(_stacked(module)))
 
 
 def repeated_block(fqn: str, blocks: frozenset[str]) -> str:
@@ -203,15 +204,20 @@ def repeated_block(fqn: str, blocks: frozenset[str]) -> str:
     return next((p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in blocks), "")
 
 
-def stack_layers(module: nn.Module) -> list[nn.Module]:
-    """The layers ``module`` stacks, if it is a ModuleList, Sequential or ModuleDict: its
-    children (a ModuleDict's only where keyed by index, as torchtitan keys its layers; the
-    parts nanoGPT names ``wte`` and ``wpe`` are no layers), but those that are lists or dicts
-    themselves, which have no forward: their own children are the layers."""
+def _stacked(module: nn.Module) -> list[nn.Module]:
+    """The children ``module`` stacks, if it is a ModuleList, Sequential or ModuleDict (a
+    ModuleDict's only where keyed by index, as torchtitan keys its layers; the parts nanoGPT
+    names ``wte`` and ``wpe`` are no layers)."""
     if not isinstance(module, _STACKS):
         return []
     any_key = not isinstance(module, nn.ModuleDict)
-    return [c for key, c in module.named_children() if (any_key or key.isdigit()) and not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
+    return [c for key, c in module.named_children() if any_key or key.isdigit()]
+
+
+def stack_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers ``module`` stacks (``_stacked``) that have a forward: not those that are
+    lists or dicts themselves, whose own children are the layers."""
+    return [c for c in _stacked(module) if not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
 
 
 def shard_info(param: object) -> ShardInfo | None:

@@ -170,6 +170,52 @@ def test_only_the_layers_of_a_stack_are_repeated_blocks(model_class):
     assert freed == [name for name, m in model.named_modules() if isinstance(m, _Layer)]
 
 
+class _NamedParts(nn.Module):
+    """Each layer a ModuleDict of named parts in a ModuleList, called by the model's loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(norm=nn.LayerNorm(16), proj=nn.Linear(16, 16))) for _ in range(3))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = h + layer["proj"](layer["norm"](h))
+        return h
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize(
+    "model_class, freed",
+    [(_NamedParts, [False, True, True, True]), (lambda: nn.Sequential(nn.Embedding(32, 16), _Layer(), _Layer()), [True] * 3)],
+    ids=["named_parts_in_a_list", "sharded_sequential"],
+)
+def test_each_layer_of_a_stack_is_a_bucket_freed_after_forward(model_class, freed):
+    """A ModuleDict of named parts in a list is one layer: its parts are not a stack's layers
+    (no index keys), and a dict has no forward to make it a region, but its parameters are a
+    bucket freed after forward, as a layer's (they were all kept with the root). The layers of
+    a Sequential ``fully_shard`` got are, as the regions it makes of them (they were kept
+    with their unit, a region's flat and its bucket too). Buckets in the order the forward
+    reads them, the embedding first. Loss and gradients eager's bit for bit (one gloo rank)."""
+    torch.manual_seed(0)
+    reference = model_class()
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    with one_rank_group():
+        fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        loss = torch.compile(model, backend=backend)(tokens).square().mean()
+        loss.backward()
+    expected = reference(tokens).square().mean()
+    expected.backward()
+    assert torch.equal(loss, expected)
+    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(got.grad.full_tensor(), want.grad), name
+    (graph,) = backend.graphs
+    assert [b.reshard_after_forward for b in graph.plan.buckets] == freed
+
+
 @pytest.mark.structure
 def test_each_torch_compile_call_by_name_owns_the_backend_of_its_bodies():
     """``backend="mfsdp"`` makes a backend object per graph; the bodies' frames are compiled
