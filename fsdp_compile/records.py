@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -216,8 +217,18 @@ def _stacked(module: nn.Module) -> list[nn.Module]:
 
 def stack_layers(module: nn.Module) -> list[nn.Module]:
     """The layers ``module`` stacks (``_stacked``) that have a forward: not those that are
-    lists or dicts themselves, whose own children are the layers."""
-    return [c for c in _stacked(module) if not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
+    lists or dicts themselves, whose own children are the layers. A layer in torch's
+    ``checkpoint_wrapper`` (torchtitan's activation checkpointing) is the module it runs:
+    its gathers then run inside the checkpoint, in the forward and again in the recompute,
+    as in HF's checkpointed layers (a selective checkpoint matches the recompute's ops to
+    the forward's one by one)."""
+    return [_run_by_wrapper(c) for c in _stacked(module) if not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
+
+
+def _run_by_wrapper(layer: nn.Module) -> nn.Module:
+    while isinstance(layer, ActivationWrapper):
+        layer = layer._checkpoint_wrapped_module
+    return layer
 
 
 def shard_info(param: object) -> ShardInfo | None:
