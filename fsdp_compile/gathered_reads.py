@@ -37,7 +37,7 @@ from fsdp_compile.state_loading import load_into_shards
 
 
 __all__ = [
-    "set_requires_gradient_sync", "install_properties", "marker_args", "unshard_marker", "float8_read", "gather",
+    "set_requires_gradient_sync", "reduce_untaken_sums", "install_properties", "marker_args", "unshard_marker", "float8_read", "gather",
     "in_a_forward", "copied_module",
 ]
 
@@ -291,6 +291,27 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         accumulator = state.pop("accumulator", None)
         if accumulator is not None and accumulator.grad is not None:
             state["pending"] = accumulator.grad
+
+
+def reduce_untaken_sums(params: tuple[nn.Parameter, ...]) -> None:
+    """After a forward with gradients: each sum the micro-batches accumulated without sync
+    that no read took (a weight the last micro-batch read only under ``no_grad``, or not at
+    all) reduced into its ``.grad``, where the unsharded model holds the earlier
+    micro-batches' gradients. Left, the next step's first read would add it to a gradient of
+    its own. The weight is gathered once more and differentiated with a zero gradient: its
+    backward adds the sum and reduces it, and a flat hands its members their rows, as in a
+    step. A weight frozen since drops its sum. Every rank runs the same reads, so the same
+    collectives."""
+    for param in params:
+        info = shard_info(param)
+        if "pending" not in info.accumulation:
+            continue
+        if not param.requires_grad:
+            del info.accumulation["pending"]
+            continue
+        local = param.to_local() if isinstance(param, DTensor) else param  # a flat is its local rows
+        gathered = unshard_marker(local, marker_args(info, param.dtype), info.accumulation)
+        torch.autograd.backward(gathered, torch.zeros_like(gathered))
 
 
 def _accumulator(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:

@@ -16,6 +16,8 @@ from torch._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from fsdp_compile.flat_params import follow_members
+from fsdp_compile.gathered_reads import reduce_untaken_sums
+from fsdp_compile.records import gathered_params, shard_info
 from fsdp_compile.meta_buffers import refuse_unfilled_buffers
 from fsdp_compile.region_tables import BLOCKS
 from fsdp_compile.regions import is_region
@@ -33,7 +35,11 @@ def install_outermost_hook(module: nn.Module) -> None:
         unit_module.__dict__.pop("_mfsdp_regions", None)
     # A tuple: the model holds its blocks.
     module._mfsdp_regions = tuple(m for m in module.modules() if is_region(m))
-    module._mfsdp_outermost_hooks = (module.register_forward_pre_hook(_before_forward, prepend=True, with_kwargs=True),)
+    module._mfsdp_gathered = tuple(p for p in gathered_params(module) if shard_info(p) is not None)
+    module._mfsdp_outermost_hooks = (
+        module.register_forward_pre_hook(_before_forward, prepend=True, with_kwargs=True),
+        module.register_forward_hook(_after_forward),
+    )
 
 
 def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -52,6 +58,14 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     for block, members in zip(blocks, _follow_members_in_trace(tuple(block._mfsdp_region_key for block in blocks))):
         for owner, name in members:
             block.get_submodule(owner)._parameters[name].requires_grad  # noqa: B018 (the read is the guard)
+
+
+def _after_forward(module: nn.Module, args: tuple, output) -> None:
+    """Reduce the sums accumulated without sync that this forward's reads left
+    (``reduce_untaken_sums``); not under ``no_grad`` (an evaluation leaves them to the last
+    micro-batch), nor inside a function Dynamo traces."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        reduce_untaken_sums(module._mfsdp_gathered)
 
 
 def _follow_members(blocks: tuple[nn.Module, ...]) -> None:
@@ -75,4 +89,5 @@ def _follow_members_in_trace(block_keys: tuple[int, ...]) -> tuple[tuple[tuple[s
 # Run by Python with all it calls: under torch.compile(model) Dynamo offers every frame a hook
 # runs to the backend, and would trace each of these once (the loop over the blocks
 # included) for no graph: they call no tensor op a graph should hold.
-set_code_exec_strategy(_before_forward.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+for _hook in (_before_forward, _after_forward):
+    set_code_exec_strategy(_hook.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))

@@ -699,6 +699,55 @@ def test_checkpointed_layers_accumulate_micro_batches_as_eagerly(compiled, reent
     assert len(backend.graphs) == (2 if compiled else 0)  # sync off, then on
 
 
+class _SoloLast(nn.Module):
+    """``_Layers(3)`` and a ``GatedLayer`` of the model's own after them (no flat), which the
+    model can skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(GatedLayer(16, False) for _ in range(3))
+        self.solo = GatedLayer(16, False)
+        self.skip = False
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h)
+        return h if self.skip else self.solo(h)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("last", ["frozen", "skipped"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_sum_the_last_micro_batch_reads_no_gradient_for_is_reduced_in_its_step(compiled, last):
+    """Three micro-batches, the last reading layer 1's and the model's own gate only under
+    ``no_grad`` (``frozen``), or not calling the model's own layer at all (``skipped``): their
+    ``.grad`` holds what the micro-batches before accumulated, as the unsharded model's does,
+    and the next step's gradients are that step's alone. Before, no read took those sums:
+    the step had no gradient for them (``None``), and the next step's first read added them
+    to its own. One gloo rank."""
+    torch.manual_seed(0)
+    reference = _SoloLast()
+    model = copy.deepcopy(reference)
+    inputs = [torch.randn(2, 8, 16) for _ in range(4)]
+    with one_rank_group():
+        fully_shard(model)
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        for i, x in enumerate(inputs[:3]):
+            model.set_requires_gradient_sync(i == 2)
+            for layers in (reference, model):
+                layers.layers[1].frozen = layers.solo.frozen = last == "frozen" and i == 2
+                layers.skip = last == "skipped" and i == 2
+            step(x).sum().backward()
+            reference(x).sum().backward()
+        _assert_grads_as_eager(model, reference, "the step")
+        for layers in (reference, model):
+            layers.zero_grad(set_to_none=True)
+            layers.layers[1].frozen = layers.solo.frozen = layers.skip = False
+        step(inputs[3]).sum().backward()
+        reference(inputs[3]).sum().backward()
+        _assert_grads_as_eager(model, reference, "the next step")
+
+
 class _FrozenAsAsked(nn.Module):
     """``GatedLayer`` with its flag an argument."""
 
