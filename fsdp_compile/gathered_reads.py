@@ -395,10 +395,12 @@ def install_properties(module: nn.Module, names: set[str]) -> None:
             "_load_from_state_dict": load_into_shards,
             "__deepcopy__": copied_module,
             **_fsdp2_methods(base, held),
-            # Printed as the user's class: libraries key registries on str(cls) (HF's output
-            # recorders), and the class is the user's but for the getters.
+            # Named as the user's class: libraries key registries on str(cls) (HF's output
+            # recorders) and write its name down (HF's save_pretrained, config.json's
+            # "architectures", which serving engines load by), and the class is the user's
+            # but for the getters.
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
         }
-        _SHARDED_CLASSES[base, names, held] = type(f"Sharded{base.__name__}", (base,), namespace)
+        _SHARDED_CLASSES[base, names, held] = type(base.__name__, (base,), namespace)
     module.__class__ = _SHARDED_CLASSES[base, names, held]

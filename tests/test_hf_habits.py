@@ -1039,6 +1039,23 @@ def _hf_parity(rank, world, *, family, padded):
     }
 
 
+@pytest.mark.structure
+def test_save_pretrained_names_the_model_s_own_class():
+    """``save_pretrained`` writes the class's name into config.json's "architectures", which
+    serving engines load a model by: the sharded model's is the user's ("LlamaForCausalLM"),
+    as HF writes it under FSDP2, not the subclass fully_shard made ("ShardedLlamaForCausalLM",
+    a class transformers does not have). One gloo rank."""
+    import json
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    with one_rank_group(), tempfile.TemporaryDirectory() as path:
+        model = fully_shard(_build("llama"))
+        model.save_pretrained(path, state_dict=get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+        with open(f"{path}/config.json") as config:
+            assert json.load(config)["architectures"] == ["LlamaForCausalLM"]
+
+
 def _after_training(model, reference, rank: int, params: dict) -> dict:
     """What users do once trained: HF's ``save_pretrained`` of the full state dict (sharded
     parameters alone fail in safetensors, under FSDP2 too; docs/user_guide.md, "Checkpoints")
