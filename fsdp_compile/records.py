@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -226,7 +226,7 @@ def stack_layers(module: nn.Module) -> list[nn.Module]:
 
 
 def _run_by_wrapper(layer: nn.Module) -> nn.Module:
-    while isinstance(layer, ActivationWrapper):
+    while isinstance(layer, CheckpointWrapper):
         layer = layer._checkpoint_wrapped_module
     return layer
 

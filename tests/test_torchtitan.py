@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_compile import MfsdpBackend, fully_shard
@@ -52,36 +53,45 @@ def _built(how: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         reference.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
         return reference, model
     model = copy.deepcopy(reference)
-    if how != "plain":
+    if how == "offload_wrapper":  # torch's activation offloading, the checkpoint wrapper's sibling
+        for key, layer in model.layers.named_children():
+            model.layers.register_module(key, offload_wrapper(layer))
+    elif how != "plain":
         for layers in (reference, model):
             checkpoint_layers(layers, selective=how == "selective_checkpoint")
     return reference, fully_shard(model)
 
 
+def _train_at_eager_s_results(reference: torch.nn.Module, model: torch.nn.Module, step) -> None:
+    """Three AdamW steps of ``step`` (the sharded ``model``, compiled or not) give the
+    unsharded reference's losses and gradients bit for bit."""
+    tokens = torch.randint(0, CFG.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    for _ in range(STEPS):
+        expected, loss = _loss(reference(tokens), tokens), _loss(step(tokens), tokens)
+        expected.backward()
+        loss.backward()
+        assert torch.equal(loss, expected)
+        for (name, want), got in zip(reference.named_parameters(), model.parameters()):
+            assert torch.equal(got.grad.full_tensor(), want.grad), name
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 @pytest.mark.structure
-@pytest.mark.parametrize("how", ["plain", "checkpoint_wrapper", "selective_checkpoint", "meta_init"])
+@pytest.mark.parametrize("how", ["plain", "checkpoint_wrapper", "selective_checkpoint", "offload_wrapper", "meta_init"])
 def test_layers_in_a_module_dict_are_one_body_called_per_layer_at_eager_s_results(how):
     """Each layer of the ModuleDict is one block call of one body compiled once (its SDPA in
     the body, none in the step), the step one graph with nothing said, and three AdamW steps
     give eager's losses and gradients bit for bit (one gloo rank). Before: no block call, the
     three layers' ops traced into the step."""
-    tokens = torch.randint(0, CFG.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     with one_rank_group(), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         reference, model = _built(how)
         backend = MfsdpBackend(compiler="eager")
         step = torch.compile(model, backend=backend)
-        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
-        for _ in range(STEPS):
-            expected, loss = _loss(reference(tokens), tokens), _loss(step(tokens), tokens)
-            expected.backward()
-            loss.backward()
-            assert torch.equal(loss, expected)
-            for (name, want), got in zip(reference.named_parameters(), model.parameters()):
-                assert torch.equal(got.grad.full_tensor(), want.grad), name
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad()
+        _train_at_eager_s_results(reference, model, step)
     assert not [str(w.message) for w in said if any(word in str(w.message) for word in ("inline", "graph", "repeated"))]
     (graph,) = backend.graphs
     step_ops = [n.target for n in graph.forward.graph.nodes if n.op == "call_function"]
@@ -98,20 +108,9 @@ def test_checkpointed_layers_run_uncompiled_at_eager_s_results(how):
     bit for bit (one gloo rank). Before, the wrapper was the block and gathered before its
     checkpoint began, and the selective checkpoint's recompute met gathers the forward never
     ran: "unshard.default encountered during backward but not found in storage"."""
-    tokens = torch.randint(0, CFG.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     with one_rank_group():
         reference, model = _built(how)
-        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
-        for _ in range(STEPS):
-            expected, loss = _loss(reference(tokens), tokens), _loss(model(tokens), tokens)
-            expected.backward()
-            loss.backward()
-            assert torch.equal(loss, expected)
-            for (name, want), got in zip(reference.named_parameters(), model.parameters()):
-                assert torch.equal(got.grad.full_tensor(), want.grad), name
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad()
+        _train_at_eager_s_results(reference, model, model)
 
 
 def _saved_after_forward(wrapped: bool, compiled: bool) -> int:
