@@ -291,9 +291,11 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         accumulator = state.pop("accumulator", None)
         if accumulator is not None and accumulator.grad is not None:
             state["pending"] = accumulator.grad
+            # Where the forward's hook looks before finding a sum no read took.
+            module.__dict__["_mfsdp_sums_pending"] = True
 
 
-def reduce_untaken_sums(params: tuple[nn.Parameter, ...]) -> None:
+def reduce_untaken_sums(module: nn.Module) -> None:
     """After a forward with gradients: each sum the micro-batches accumulated without sync
     that no read took (a weight the last micro-batch read only under ``no_grad``, or not at
     all) reduced into its ``.grad``, where the unsharded model holds the earlier
@@ -301,10 +303,13 @@ def reduce_untaken_sums(params: tuple[nn.Parameter, ...]) -> None:
     its own. The weight is gathered once more and differentiated with a zero gradient: its
     backward adds the sum and reduces it, and a flat hands its members their rows, as in a
     step. A weight frozen since drops its sum. Every rank runs the same reads, so the same
-    collectives."""
-    for param in params:
+    collectives. Looked for only where ``set_requires_gradient_sync`` made sums (called on
+    the model, as FSDP2's users call it)."""
+    if not module.__dict__.pop("_mfsdp_sums_pending", False):
+        return
+    for param in gathered_params(module):
         info = shard_info(param)
-        if "pending" not in info.accumulation:
+        if info is None or "pending" not in info.accumulation:
             continue
         if not param.requires_grad:
             del info.accumulation["pending"]

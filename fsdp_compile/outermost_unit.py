@@ -17,7 +17,6 @@ from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from fsdp_compile.flat_params import follow_members
 from fsdp_compile.gathered_reads import reduce_untaken_sums
-from fsdp_compile.records import gathered_params, shard_info
 from fsdp_compile.meta_buffers import refuse_unfilled_buffers
 from fsdp_compile.region_tables import BLOCKS
 from fsdp_compile.regions import is_region
@@ -35,7 +34,6 @@ def install_outermost_hook(module: nn.Module) -> None:
         unit_module.__dict__.pop("_mfsdp_regions", None)
     # A tuple: the model holds its blocks.
     module._mfsdp_regions = tuple(m for m in module.modules() if is_region(m))
-    module._mfsdp_gathered = tuple(p for p in gathered_params(module) if shard_info(p) is not None)
     module._mfsdp_outermost_hooks = (
         module.register_forward_pre_hook(_before_forward, prepend=True, with_kwargs=True),
         module.register_forward_hook(_after_forward),
@@ -65,7 +63,7 @@ def _after_forward(module: nn.Module, args: tuple, output) -> None:
     (``reduce_untaken_sums``); not under ``no_grad`` (an evaluation leaves them to the last
     micro-batch), nor inside a function Dynamo traces."""
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        reduce_untaken_sums(module._mfsdp_gathered)
+        reduce_untaken_sums(module)
 
 
 def _follow_members(blocks: tuple[nn.Module, ...]) -> None:
