@@ -133,6 +133,26 @@ class _Stacks(nn.Module):
         return self.head(h)
 
 
+def _one_step_at_eager_s_results(model_class) -> tuple[nn.Module, MfsdpBackend]:
+    """A model of ``model_class``, sharded, and the backend of its compiled step, whose loss
+    and gradients are an unsharded copy's bit for bit (one gloo rank)."""
+    torch.manual_seed(0)
+    reference = model_class()
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    with one_rank_group():
+        fully_shard(model)
+        backend = MfsdpBackend(compiler="eager")
+        loss = torch.compile(model, backend=backend)(tokens).square().mean()
+        loss.backward()
+    expected = reference(tokens).square().mean()
+    expected.backward()
+    assert torch.equal(loss, expected)
+    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(got.grad.full_tensor(), want.grad), name
+    return model, backend
+
+
 @pytest.mark.structure
 @pytest.mark.parametrize(
     "model_class", [_NanoGPT, lambda: _Stacks("dict"), lambda: _Stacks("list"), _NamedSequential],
@@ -147,22 +167,10 @@ def test_only_the_layers_of_a_stack_are_repeated_blocks(model_class):
     rank). Each layer's parameters are a bucket of their own, freed after forward: the buckets
     read a block from the path, cut at its first index, so a stack of lists bucketed each
     inner list whole and a named Sequential's layers stayed gathered with the root."""
-    torch.manual_seed(0)
-    reference = model_class()
-    model = copy.deepcopy(reference)
-    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
-    with one_rank_group(), warnings.catch_warnings(record=True) as said:
+    with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        fully_shard(model)
-        backend = MfsdpBackend(compiler="eager")
-        loss = torch.compile(model, backend=backend)(tokens).square().mean()
-        loss.backward()
-    expected = reference(tokens).square().mean()
-    expected.backward()
+        model, backend = _one_step_at_eager_s_results(model_class)
     assert not [str(w.message) for w in said if "repeated" in str(w.message)]
-    assert torch.equal(loss, expected)
-    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
-        assert torch.equal(got.grad.full_tensor(), want.grad), name
     (graph,) = backend.graphs
     layers = sum(isinstance(m, _Layer) for m in model.modules())
     assert len(_calls(graph.dynamo)) == layers and [len(b) for b in backend.bodies.values()] == [1]
@@ -198,20 +206,7 @@ def test_each_layer_of_a_stack_is_a_bucket_freed_after_forward(model_class, free
     a Sequential ``fully_shard`` got are, as the regions it makes of them (they were kept
     with their unit, a region's flat and its bucket too). Buckets in the order the forward
     reads them, the embedding first. Loss and gradients eager's bit for bit (one gloo rank)."""
-    torch.manual_seed(0)
-    reference = model_class()
-    model = copy.deepcopy(reference)
-    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
-    with one_rank_group():
-        fully_shard(model)
-        backend = MfsdpBackend(compiler="eager")
-        loss = torch.compile(model, backend=backend)(tokens).square().mean()
-        loss.backward()
-    expected = reference(tokens).square().mean()
-    expected.backward()
-    assert torch.equal(loss, expected)
-    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
-        assert torch.equal(got.grad.full_tensor(), want.grad), name
+    _, backend = _one_step_at_eager_s_results(model_class)
     (graph,) = backend.graphs
     assert [b.reshard_after_forward for b in graph.plan.buckets] == freed
 
