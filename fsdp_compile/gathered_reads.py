@@ -267,8 +267,10 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     With sync off, backward runs no collective: each parameter's full, unreduced gradient is
     summed locally (in ``reduce_dtype``; this costs one full-size gradient per parameter, as in
     FSDP2). Turning sync on again makes the next forward/backward reduce that sum together with
-    its own gradient, once (a forward under ``no_grad`` leaves the sum: ``unshard_marker``). Applies to every sharded parameter under ``module``; also a method
-    of modules ``fully_shard`` returned (``model.set_requires_gradient_sync(False)``).
+    its own gradient, once (a forward under ``no_grad`` leaves the sum: ``unshard_marker``;
+    one whose reads leave some reduces them as it returns: ``reduce_untaken_sums``). Applies
+    to every sharded parameter under ``module``; also a method of modules ``fully_shard``
+    returned (``model.set_requires_gradient_sync(False)``).
     """
     if not isinstance(requires_gradient_sync, bool):
         raise UsageError(

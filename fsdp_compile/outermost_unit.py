@@ -59,9 +59,9 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _after_forward(module: nn.Module, args: tuple, output) -> None:
-    """Reduce the sums accumulated without sync that this forward's reads left
-    (``reduce_untaken_sums``); not under ``no_grad`` (an evaluation leaves them to the last
-    micro-batch), nor inside a function Dynamo traces."""
+    """Reduce the sums accumulated without sync that this forward's reads left, each weight
+    gathered again (``reduce_untaken_sums``); not under ``no_grad`` (an evaluation leaves them
+    to the last micro-batch), nor inside a function Dynamo traces."""
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         reduce_untaken_sums(module)
 
