@@ -334,9 +334,12 @@ def _unshard_backward(ctx, grad: Tensor | None):
         # A micro-batch without gradient sync: no collective; autograd sums the full
         # gradient into accumulator.grad, in reduce_dtype so bf16 compute accumulates in fp32.
         return None, grad.to(ctx.reduce_dtype), *[None] * 9
+    # Taken once: a second backward through a retained graph adds its gradient again, as the
+    # unsharded model's does, but not the micro-batches' sum.
+    pending, ctx.pending = ctx.pending, None
     reduced = reduce_grad(
         grad.contiguous(),
-        ctx.pending,
+        pending,
         ctx.param_id,
         ctx.shard_rows,
         ctx.group_name,

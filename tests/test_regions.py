@@ -743,6 +743,29 @@ def test_a_sum_the_last_micro_batch_reads_no_gradient_for_is_reduced_in_its_step
         _assert_grads_as_eager(model, reference, "the next step")
 
 
+@pytest.mark.structure
+def test_a_retained_graph_s_second_backward_adds_its_gradient_not_the_micro_batches_sum_again():
+    """The last micro-batch's loss differentiated twice (``backward(retain_graph=True)``, then
+    ``backward()``): each backward adds its gradient, and the sum the micro-batches before
+    accumulated is added once, as in the unsharded model. Before, the second backward added
+    it again. Uncompiled: a compiled step refuses ``retain_graph`` (torch's donated
+    buffers). One gloo rank."""
+    torch.manual_seed(0)
+    reference = _SoloLast()
+    model = copy.deepcopy(reference)
+    with one_rank_group():
+        fully_shard(model)
+        for i in range(3):
+            model.set_requires_gradient_sync(i == 2)
+            x = torch.randn(2, 8, 16)
+            for layers in (model, reference):
+                loss = layers(x).sum()
+                if i == 2:
+                    loss.backward(retain_graph=True)
+                loss.backward()
+        _assert_grads_as_eager(model, reference, "the step")
+
+
 class _FrozenAsAsked(nn.Module):
     """``GatedLayer`` with its flag an argument."""
 
