@@ -32,8 +32,9 @@ from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_weight
 from fsdp_compile.flat_params import forget_graded
 from fsdp_compile.fsdp2_methods import FSDP2_METHODS
+from fsdp_compile.hf_methods import hf_methods
 from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, is_outermost_unit, shard_info
-from fsdp_compile.state_loading import load_into_shards
+from fsdp_compile.state_dicts import load_into_shards, save_member_entries
 
 
 __all__ = [
@@ -400,8 +401,10 @@ def install_properties(module: nn.Module, names: set[str]) -> None:
             "_mfsdp_names": names,
             "_apply": _reattach_shard_info,
             "_load_from_state_dict": load_into_shards,
+            "_save_to_state_dict": save_member_entries,
             "__deepcopy__": copied_module,
             **_fsdp2_methods(base, held),
+            **hf_methods(base),
             # Named as the user's class: libraries key registries on str(cls) (HF's output
             # recorders) and write its name down (HF's save_pretrained, config.json's
             # "architectures", which serving engines load by), and the class is the user's

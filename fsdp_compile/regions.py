@@ -60,7 +60,7 @@ from fsdp_compile.region_tables import (
     BLOCK_KEYS, BLOCKS, RECIPES, RegionLayout, block_flag_sources, call_layout, call_output_form, gather_recipe, layers_of, opened_at, param_at,
 )
 from fsdp_compile.side_outputs import mixes_tensor_parallel_hooks, replay, stand_in_leaves
-from fsdp_compile.state_loading import materialise_loaded_flats
+from fsdp_compile.state_dicts import materialise_loaded_flats
 
 __all__ = ["install_regions", "is_region", "RegionLayout"]
 

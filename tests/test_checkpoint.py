@@ -99,6 +99,35 @@ def test_a_full_state_dict_loaded_with_load_state_dict_lands_this_rank_s_rows():
             model.load_state_dict(full, assign=True)
 
 
+@pytest.mark.structure
+def test_a_state_dict_torch_saved_or_deep_copied_holds_this_rank_s_rows(tmp_path):
+    """``torch.save(model.state_dict(), f"rank{rank}.pt")`` then ``torch.load`` and
+    ``load_state_dict``, and ``copy.deepcopy(model.state_dict())``: a repeated block's
+    parameters, views into its flat buffer, give back their rows (NOTE: entries that pickle).
+    Before, both raised "Attempted to access the data pointer on an invalid python storage",
+    the file half written. The entries still write into the model, as DCP's in-place load
+    writes."""
+    import copy
+
+    from harness import fake_process_group
+
+    cfg = TransformerConfig()
+    with fake_process_group(3):
+        model = fully_shard(build_model(cfg, seed=0))
+        state = model.state_dict()
+        torch.save(state, tmp_path / "rank0.pt")
+        copied = copy.deepcopy(state)
+        other = fully_shard(build_model(cfg, seed=1))
+        other.load_state_dict(torch.load(tmp_path / "rank0.pt"))
+        for (name, param), (_, loaded) in zip(model.named_parameters(), other.named_parameters()):
+            assert torch.equal(loaded.to_local(), param.to_local()), name
+            assert torch.equal(copied[name].to_local(), param.to_local()), name
+        (member, *_), *_ = [flat._mfsdp_members for flat in model.layers[0]._mfsdp_region_flats.values()]
+        name = next(n for n, p in model.named_parameters() if p is member.param)
+        state[name].to_local().fill_(7.0)
+        assert bool((member.param.to_local() == 7.0).all()) and not bool((copied[name].to_local() == 7.0).any())
+
+
 def _save_then_load_other_shapes(rank, world, *, path):
     model, _, opt = checkpoint_setup(TransformerConfig(), seed=0)
     model_sd, optim_sd = get_state_dict(model, opt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import tempfile
 import types
 import unittest.mock
@@ -1054,6 +1055,23 @@ def test_save_pretrained_names_the_model_s_own_class():
         model.save_pretrained(path, state_dict=get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
         with open(f"{path}/config.json") as config:
             assert json.load(config)["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("given", ["nothing", "the_model_s_state_dict"])
+def test_save_pretrained_of_shards_is_refused_with_the_full_state_dict_recipe(given):
+    """``model.save_pretrained(path)``, as with DDP on rank 0 alone, or given
+    ``model.state_dict()``: refused with a ``ValueError`` naming the full state dict every rank
+    gathers, before any collective and before a file is written. Before, on rank 0 alone HF's
+    tied-weight check read an element of the members sharing a block's buffer, a collective
+    the other ranks never joined: rank 0 hung; on every rank safetensors failed on the
+    DTensors, as under FSDP2. Two ranks of a fake group: no collective runs there."""
+    with fake_process_group(2), tempfile.TemporaryDirectory() as path:
+        model = fully_shard(_build("llama"))
+        state_dict = {} if given == "nothing" else {"state_dict": model.state_dict()}
+        with pytest.raises(ValueError, match=r"get_model_state_dict\(model, options=StateDictOptions\(full_state_dict=True"):
+            model.save_pretrained(path, **state_dict)
+        assert not os.listdir(path)
 
 
 def _after_training(model, reference, rank: int, params: dict) -> dict:

@@ -333,7 +333,7 @@ def _dcp(ctx: RankContext) -> dict:
 def _meta_init(ctx: RankContext) -> dict:
     """FSDP2's loading of a model built on the meta device: shard, then load the full state
     dict, which DCP assigns to parameters still on meta (NOTE: loading with assign, in
-    fsdp_compile/state_loading.py); the full_state_dict cell loads into materialised ones."""
+    fsdp_compile/state_dicts.py); the full_state_dict cell loads into materialised ones."""
     with torch.device("meta"):
         model = Transformer(ctx.layout.cfg)
     model = ctx.shard(model)

@@ -266,7 +266,7 @@ def test_loaders_that_assign_sharded_values_keep_every_parameter_and_train_as_un
     Accelerate's ``fsdp2_load_full_state_dict`` does and torchtune's loader under
     ``torch.__future__``'s swap: each parameter keeps its object (its sharding record, its
     slot in its block's flat) and takes the values (NOTE: loading with assign, in
-    fsdp_compile/state_loading.py), and the compiled step trains as the unsharded model on 2
+    fsdp_compile/state_dicts.py), and the compiled step trains as the unsharded model on 2
     gloo ranks. Before, the first forward refused the replaced parameters."""
     cfg = TransformerConfig()
     for rank, results in enumerate(spawn(_assigning_loaders_run, 2, cfg=cfg)):

@@ -1,5 +1,20 @@
-"""``load_state_dict`` into a sharded model: a load that would replace a sharded parameter
-writes its values into it instead, and a full tensor copied in gives it this rank's rows.
+"""A sharded model's state dicts: ``state_dict`` entries of a repeated block's parameters
+pickle and deep-copy as the rows they hold; a ``load_state_dict`` that would replace a sharded
+parameter writes its values into it instead, and a full tensor copied in gives it this rank's
+rows.
+
+NOTE: entries that pickle
+    A repeated block's parameters hold views of its flat buffer (NOTE: flat parameters, in
+    flat_params.py) at nonzero offsets, and torch (2.11-2.13) cannot pickle a DTensor whose
+    local tensor starts past its storage's start: its wrapper's ``data_ptr()`` is the offset,
+    not 0, so ``Tensor._reduce_ex_internal`` takes it for a dense tensor and reads a storage the
+    wrapper does not have ("Attempted to access the data pointer on an invalid python
+    storage"): ``torch.save(model.state_dict())`` would stop there, its file half written, and
+    ``copy.deepcopy(model.state_dict())`` too. Their ``state_dict()`` entries are therefore
+    ``MemberEntry``s: DTensors over the same view (DCP's in-place load still writes into the
+    buffer, and ``to_local()`` is the parameter's rows) that pickle and deep-copy as a plain
+    DTensor over a copy of those rows, which is what ``torch.load`` gives back. With
+    ``keep_vars=True`` the entries are the parameters themselves, as torch's are.
 
 NOTE: loading with assign
     FSDP2's loaders replace parameters: ``model.load_state_dict(sharded_sd, assign=True)``
@@ -29,7 +44,36 @@ from fsdp_compile.errors import UsageError
 from fsdp_compile.flat_params import converted_flat, hold_local
 from fsdp_compile.records import shard_info
 
-__all__ = ["load_into_shards", "materialise_loaded_flats"]
+__all__ = ["MemberEntry", "load_into_shards", "materialise_loaded_flats", "save_member_entries"]
+
+
+class MemberEntry(DTensor):
+    """A ``state_dict()`` entry of a flat's member: the member's rows, which pickle and
+    deep-copy as a plain DTensor of their own (see NOTE: entries that pickle)."""
+
+    def own_rows(self) -> DTensor:
+        return DTensor.from_local(
+            self._local_tensor.clone(), self.device_mesh, self.placements, run_check=False,
+            shape=self.shape, stride=self.stride(),
+        )
+
+    def __reduce_ex__(self, proto):
+        return self.own_rows().__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        return memo.setdefault(id(self), self.own_rows())
+
+
+def save_member_entries(self: nn.Module, destination, prefix, keep_vars) -> None:
+    """``nn.Module._save_to_state_dict`` of a module holding sharded parameters: the module's
+    own, then each flat member's entry a ``MemberEntry`` (see NOTE: entries that pickle)."""
+    type(self)._mfsdp_base._save_to_state_dict(self, destination, prefix, keep_vars)
+    if keep_vars:
+        return
+    for name, param in self._parameters.items():
+        entry = destination.get(prefix + name)
+        if getattr(param, "_mfsdp_flat", None) is not None and type(entry) is DTensor:
+            destination[prefix + name] = MemberEntry(entry._local_tensor, entry._spec, requires_grad=False)
 
 
 def load_into_shards(

@@ -1,0 +1,49 @@
+"""HF's ``PreTrainedModel`` methods on the sharded class: ``save_pretrained`` writes full
+tensors or refuses, before any collective.
+
+A sharded model's ``state_dict()`` holds this rank's rows of each parameter, as DTensors, which
+safetensors cannot write (under FSDP2 too). HF's ``save_pretrained`` without a ``state_dict``
+fails there when every rank calls it; called on rank 0 alone, as with DDP
+(``if rank == 0: model.save_pretrained(path)``), its tied-weight check reads an element of
+DTensors sharing a storage (a repeated block's members share its flat buffer), a collective
+the other ranks never join: rank 0 hung. Either way the fix is the full state dict, gathered by
+every rank and written by one; this says so at the call.
+
+As fsdp_compile/hf.py, nothing here imports transformers: it is looked for among the modules
+already imported.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_compile.errors import UsageError
+
+__all__ = ["hf_methods"]
+
+
+def hf_methods(base: type) -> dict:
+    """The HF methods a sharded subclass of ``base`` overrides: none unless ``base`` is an HF
+    model class."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None or not issubclass(base, modeling.PreTrainedModel):
+        return {}
+    return {"save_pretrained": _save_pretrained}
+
+
+def _save_pretrained(self: nn.Module, save_directory, *args, state_dict=None, **kwargs):
+    if state_dict is None or any(isinstance(value, DTensor) for value in state_dict.values()):
+        given = "no state_dict" if state_dict is None else "a state_dict holding DTensors"
+        raise UsageError(
+            f"save_pretrained was given {given}: this rank holds only its rows of each sharded "
+            "parameter, which safetensors cannot write. Call it on every rank with the full "
+            "state dict, written by one: full = torch.distributed.checkpoint.state_dict."
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+            "cpu_offload=True)); model.save_pretrained(path, state_dict=full, "
+            "is_main_process=dist.get_rank() == 0). On rank 0 alone it cannot work: the gather "
+            "needs every rank."
+        )
+    return type(self)._mfsdp_base.save_pretrained(self, save_directory, *args, state_dict=state_dict, **kwargs)
