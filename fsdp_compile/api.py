@@ -34,6 +34,7 @@ from fsdp_compile.expert_parallel import (
 from fsdp_compile.float8 import Float8Gather, float8_gather_of, is_float8_weight, master_weight
 from fsdp_compile.gathered_reads import install_properties
 from fsdp_compile.hf import install_prelude
+from fsdp_compile.hf_methods import hf_methods
 from fsdp_compile.meta_buffers import watch_meta_buffers
 from fsdp_compile.markers import GATHERING_STRATEGIES, Strategy, padded_rows
 from fsdp_compile.optim_guard import install as install_optimizer_guard
@@ -321,8 +322,9 @@ def _swap_in(module: nn.Module, sharded: dict[int, nn.Parameter]) -> None:
             if param is not None and id(param) in sharded:
                 submodule._parameters[name] = sharded[id(param)]
                 names.add(name)
-        if names or submodule is module:
-            # The unit's own module gets the class too, for set_requires_gradient_sync.
+        if names or submodule is module or hf_methods(type(submodule)):
+            # The unit's own module gets the class too, for set_requires_gradient_sync; an HF
+            # model inside it (``model.model``, a wrapper's), for its save_pretrained.
             install_properties(submodule, names)
 
 

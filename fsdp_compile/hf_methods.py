@@ -1,5 +1,5 @@
-"""HF's ``PreTrainedModel`` methods on the sharded class: ``save_pretrained`` writes full
-tensors or refuses, before any collective.
+"""HF's ``PreTrainedModel`` methods on the sharded class (and PEFT's ``PeftModel``'s):
+``save_pretrained`` writes full tensors or refuses, before any collective.
 
 A sharded model's ``state_dict()`` holds this rank's rows of each parameter, as DTensors, which
 safetensors cannot write (under FSDP2 too). HF's ``save_pretrained`` without a ``state_dict``
@@ -9,12 +9,13 @@ DTensors sharing a storage (a repeated block's members share its flat buffer), a
 the other ranks never join: rank 0 hung. Either way the fix is the full state dict, gathered by
 every rank and written by one; this says so at the call.
 
-As fsdp_compile/hf.py, nothing here imports transformers: it is looked for among the modules
-already imported.
+As fsdp_compile/hf.py, nothing here imports transformers or PEFT: they are looked for among the
+modules already imported.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 from torch import nn
@@ -25,16 +26,25 @@ from fsdp_compile.errors import UsageError
 __all__ = ["hf_methods"]
 
 
+# The classes whose save_pretrained writes the model's state dict with safetensors, by module.
+_SAVING_CLASSES = (("transformers.modeling_utils", "PreTrainedModel"), ("peft.peft_model", "PeftModel"))
+
+
 def hf_methods(base: type) -> dict:
     """The HF methods a sharded subclass of ``base`` overrides: none unless ``base`` is an HF
-    model class."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is None or not issubclass(base, modeling.PreTrainedModel):
-        return {}
-    return {"save_pretrained": _save_pretrained}
+    model class (or PEFT's), and none of those ``base`` defines itself (a class of the user's
+    that gathers the full state dict in its own ``save_pretrained`` keeps it)."""
+    for module, name in _SAVING_CLASSES:
+        owner = getattr(sys.modules.get(module), name, None)
+        if owner is not None and issubclass(base, owner) and base.save_pretrained is owner.save_pretrained:
+            return {"save_pretrained": _save_pretrained}
+    return {}
 
 
-def _save_pretrained(self: nn.Module, save_directory, *args, state_dict=None, **kwargs):
+def _save_pretrained(self: nn.Module, *args, **kwargs):
+    save_pretrained = type(self)._mfsdp_base.save_pretrained
+    bound = inspect.signature(save_pretrained).bind(self, *args, **kwargs)
+    state_dict = bound.arguments.get("state_dict", bound.kwargs.get("state_dict"))  # PEFT's: a keyword
     if state_dict is None or any(isinstance(value, DTensor) for value in state_dict.values()):
         given = "no state_dict" if state_dict is None else "a state_dict holding DTensors"
         raise UsageError(
@@ -46,4 +56,4 @@ def _save_pretrained(self: nn.Module, save_directory, *args, state_dict=None, **
             "is_main_process=dist.get_rank() == 0). On rank 0 alone it cannot work: the gather "
             "needs every rank."
         )
-    return type(self)._mfsdp_base.save_pretrained(self, save_directory, *args, state_dict=state_dict, **kwargs)
+    return save_pretrained(self, *args, **kwargs)

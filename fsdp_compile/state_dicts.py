@@ -10,11 +10,15 @@ NOTE: entries that pickle
     not 0, so ``Tensor._reduce_ex_internal`` takes it for a dense tensor and reads a storage the
     wrapper does not have ("Attempted to access the data pointer on an invalid python
     storage"): ``torch.save(model.state_dict())`` would stop there, its file half written, and
-    ``copy.deepcopy(model.state_dict())`` too. Their ``state_dict()`` entries are therefore
-    ``MemberEntry``s: DTensors over the same view (DCP's in-place load still writes into the
-    buffer, and ``to_local()`` is the parameter's rows) that pickle and deep-copy as a plain
-    DTensor over a copy of those rows, which is what ``torch.load`` gives back. With
-    ``keep_vars=True`` the entries are the parameters themselves, as torch's are.
+    ``copy.deepcopy(model.state_dict())`` too. Their ``state_dict()`` entries therefore hold,
+    in place of the view, a tensor over storage of its own that aliases the same rows (a
+    DLPack round trip: the same memory at offset 0, the flat kept alive by it). The entry is a
+    plain DTensor: ``torch.save`` writes its rows alone and ``deepcopy`` copies them, while
+    DCP's in-place load, as any in-place write to an entry, still writes into the model's
+    buffer. Dynamo does not know that an entry and its parameter alias: a function the user
+    compiles should not write one and read the other. With ``keep_vars=True`` the entries are the
+    parameters themselves, as torch's are, and do not pickle. A meta-device model's entries
+    stay views (nothing to alias).
 
 NOTE: loading with assign
     FSDP2's loaders replace parameters: ``model.load_state_dict(sharded_sd, assign=True)``
@@ -44,36 +48,26 @@ from fsdp_compile.errors import UsageError
 from fsdp_compile.flat_params import converted_flat, hold_local
 from fsdp_compile.records import shard_info
 
-__all__ = ["MemberEntry", "load_into_shards", "materialise_loaded_flats", "save_member_entries"]
-
-
-class MemberEntry(DTensor):
-    """A ``state_dict()`` entry of a flat's member: the member's rows, which pickle and
-    deep-copy as a plain DTensor of their own (see NOTE: entries that pickle)."""
-
-    def own_rows(self) -> DTensor:
-        return DTensor.from_local(
-            self._local_tensor.clone(), self.device_mesh, self.placements, run_check=False,
-            shape=self.shape, stride=self.stride(),
-        )
-
-    def __reduce_ex__(self, proto):
-        return self.own_rows().__reduce_ex__(proto)
-
-    def __deepcopy__(self, memo):
-        return memo.setdefault(id(self), self.own_rows())
+__all__ = ["load_into_shards", "materialise_loaded_flats", "save_member_entries"]
 
 
 def save_member_entries(self: nn.Module, destination, prefix, keep_vars) -> None:
     """``nn.Module._save_to_state_dict`` of a module holding sharded parameters: the module's
-    own, then each flat member's entry a ``MemberEntry`` (see NOTE: entries that pickle)."""
+    own, then each flat member's entry a DTensor over storage of its own aliasing its rows (see
+    NOTE: entries that pickle)."""
     type(self)._mfsdp_base._save_to_state_dict(self, destination, prefix, keep_vars)
     if keep_vars:
         return
     for name, param in self._parameters.items():
         entry = destination.get(prefix + name)
-        if getattr(param, "_mfsdp_flat", None) is not None and type(entry) is DTensor:
-            destination[prefix + name] = MemberEntry(entry._local_tensor, entry._spec, requires_grad=False)
+        if getattr(param, "_mfsdp_flat", None) is None or not isinstance(entry, DTensor):
+            continue
+        local = entry._local_tensor
+        if not local.is_meta:  # the first member too: saved as a view, it would write the whole flat
+            alias = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(local.detach()))
+            destination[prefix + name] = DTensor.from_local(
+                alias, entry.device_mesh, entry.placements, run_check=False, shape=entry.shape, stride=entry.stride()
+            )
 
 
 def load_into_shards(

@@ -103,10 +103,10 @@ def test_a_full_state_dict_loaded_with_load_state_dict_lands_this_rank_s_rows():
 def test_a_state_dict_torch_saved_or_deep_copied_holds_this_rank_s_rows(tmp_path):
     """``torch.save(model.state_dict(), f"rank{rank}.pt")`` then ``torch.load`` and
     ``load_state_dict``, and ``copy.deepcopy(model.state_dict())``: a repeated block's
-    parameters, views into its flat buffer, give back their rows (NOTE: entries that pickle).
-    Before, both raised "Attempted to access the data pointer on an invalid python storage",
-    the file half written. The entries still write into the model, as DCP's in-place load
-    writes."""
+    parameters, views into its flat buffer, give back their rows (NOTE: entries that pickle),
+    and the file holds those rows once. Before, both raised "Attempted to access the data
+    pointer on an invalid python storage", the file half written. The entries still write
+    into the model, as DCP's in-place load writes."""
     import copy
 
     from harness import fake_process_group
@@ -116,9 +116,14 @@ def test_a_state_dict_torch_saved_or_deep_copied_holds_this_rank_s_rows(tmp_path
         model = fully_shard(build_model(cfg, seed=0))
         state = model.state_dict()
         torch.save(state, tmp_path / "rank0.pt")
+        rows = sum(value.to_local().nbytes for value in state.values())
+        assert (tmp_path / "rank0.pt").stat().st_size < 1.5 * rows  # 1.13; each flat written whole too: 2.0
         copied = copy.deepcopy(state)
         other = fully_shard(build_model(cfg, seed=1))
         other.load_state_dict(torch.load(tmp_path / "rank0.pt"))
+        assigned = fully_shard(build_model(cfg, seed=1))
+        assigned.load_state_dict(state, assign=True)  # nn.Parameter(entry) for each: plain DTensors
+        assert all(torch.equal(a.to_local(), p.to_local()) for a, p in zip(assigned.parameters(), model.parameters()))
         for (name, param), (_, loaded) in zip(model.named_parameters(), other.named_parameters()):
             assert torch.equal(loaded.to_local(), param.to_local()), name
             assert torch.equal(copied[name].to_local(), param.to_local()), name

@@ -1058,20 +1058,29 @@ def test_save_pretrained_names_the_model_s_own_class():
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("given", ["nothing", "the_model_s_state_dict"])
-def test_save_pretrained_of_shards_is_refused_with_the_full_state_dict_recipe(given):
-    """``model.save_pretrained(path)``, as with DDP on rank 0 alone, or given
-    ``model.state_dict()``: refused with a ``ValueError`` naming the full state dict every rank
-    gathers, before any collective and before a file is written. Before, on rank 0 alone HF's
-    tied-weight check read an element of the members sharing a block's buffer, a collective
-    the other ranks never joined: rank 0 hung; on every rank safetensors failed on the
-    DTensors, as under FSDP2. Two ranks of a fake group: no collective runs there."""
+@pytest.mark.parametrize("call", ["without_state_dict", "with_the_model_s_state_dict", "of_its_inner_model"])
+def test_save_pretrained_of_shards_is_refused_with_the_full_state_dict_recipe(call):
+    """``model.save_pretrained(path)``, as with DDP on rank 0 alone, given
+    ``model.state_dict()``, or called on the HF model inside (``model.model``): refused with a
+    ``ValueError`` naming the full state dict every rank gathers, before any collective and
+    before a file is written. Before, on rank 0 alone HF's tied-weight check read an element
+    of the members sharing a block's buffer, a collective the other ranks never joined: rank 0
+    hung; on every rank safetensors failed on the DTensors, as under FSDP2. The full state
+    dict, given by position, is written. Two ranks of a fake group: no collective runs there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     with fake_process_group(2), tempfile.TemporaryDirectory() as path:
         model = fully_shard(_build("llama"))
-        state_dict = {} if given == "nothing" else {"state_dict": model.state_dict()}
+        saving = {
+            "without_state_dict": lambda: model.save_pretrained(path),
+            "with_the_model_s_state_dict": lambda: model.save_pretrained(path, state_dict=model.state_dict()),
+            "of_its_inner_model": lambda: model.model.save_pretrained(path),
+        }[call]
         with pytest.raises(ValueError, match=r"get_model_state_dict\(model, options=StateDictOptions\(full_state_dict=True"):
-            model.save_pretrained(path, **state_dict)
+            saving()
         assert not os.listdir(path)
+        model.save_pretrained(path, True, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+        assert "model.safetensors" in os.listdir(path)
 
 
 def _after_training(model, reference, rank: int, params: dict) -> dict:
