@@ -322,10 +322,11 @@ def _swap_in(module: nn.Module, sharded: dict[int, nn.Parameter]) -> None:
             if param is not None and id(param) in sharded:
                 submodule._parameters[name] = sharded[id(param)]
                 names.add(name)
-        if names or submodule is module or hf_methods(type(submodule)):
-            # The unit's own module gets the class too, for set_requires_gradient_sync; an HF
-            # model inside it (``model.model``, a wrapper's), for its save_pretrained.
+        if names or submodule is module:
+            # The unit's own module gets the class too, for set_requires_gradient_sync.
             install_properties(submodule, names)
+        elif hf_methods(type(submodule)):  # an HF model inside (model.model): its save_pretrained
+            install_properties(submodule, names, fsdp2_methods=False)
 
 
 def _shard(

@@ -34,7 +34,7 @@ from fsdp_compile.flat_params import forget_graded
 from fsdp_compile.fsdp2_methods import FSDP2_METHODS
 from fsdp_compile.hf_methods import hf_methods
 from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, is_outermost_unit, shard_info
-from fsdp_compile.state_dicts import load_into_shards, save_member_entries
+from fsdp_compile.state_dicts import load_into_shards, save_picklable_entries
 
 
 __all__ = [
@@ -382,28 +382,31 @@ _ALL_FSDP2_METHODS = {
 # properties read each instance's own parameters, so every block of a repeated class shares
 # its classes, which lets a compiled body serve them all (see fsdp_compile/regions.py).
 # Classes only: no instance state here.
-_SHARDED_CLASSES: dict[tuple[type, frozenset[str], frozenset[str]], type] = {}
+_SHARDED_CLASSES: dict[tuple[type, frozenset[str], frozenset[str], bool], type] = {}
 
 
-def install_properties(module: nn.Module, names: set[str]) -> None:
+def install_properties(module: nn.Module, names: set[str], *, fsdp2_methods: bool = True) -> None:
     """Swap ``module``'s class for a subclass whose attributes ``names`` read parameters
-    gathered."""
+    gathered; with ``fsdp2_methods`` False (an HF model inside, swapped for its
+    ``save_pretrained`` alone) without FSDP2's methods, which would act on its part only."""
     cls = module.__class__
     base = getattr(cls, "_mfsdp_base", cls)
     names = frozenset(getattr(cls, "_mfsdp_names", frozenset()) | names)
     # A child module, parameter or buffer named as a method (``self.reshard = nn.Linear``)
     # stays what the module's attribute reads: a class attribute would hide it.
     held = frozenset(n for n in (*module._modules, *module._parameters, *module._buffers) if n in _ALL_FSDP2_METHODS)
-    if (base, names, held) not in _SHARDED_CLASSES:
+    fsdp2_methods = fsdp2_methods or getattr(cls, "_mfsdp_fsdp2_methods", False)
+    if (base, names, held, fsdp2_methods) not in _SHARDED_CLASSES:
         namespace = {
             **{name: property(functools.partial(_gathered, name=name)) for name in names},
             "_mfsdp_base": base,
             "_mfsdp_names": names,
+            "_mfsdp_fsdp2_methods": fsdp2_methods,
             "_apply": _reattach_shard_info,
             "_load_from_state_dict": load_into_shards,
-            "_save_to_state_dict": save_member_entries,
+            "_save_to_state_dict": save_picklable_entries,
             "__deepcopy__": copied_module,
-            **_fsdp2_methods(base, held),
+            **(_fsdp2_methods(base, held) if fsdp2_methods else {}),
             **hf_methods(base),
             # Named as the user's class: libraries key registries on str(cls) (HF's output
             # recorders) and write its name down (HF's save_pretrained, config.json's
@@ -412,5 +415,5 @@ def install_properties(module: nn.Module, names: set[str]) -> None:
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
         }
-        _SHARDED_CLASSES[base, names, held] = type(base.__name__, (base,), namespace)
-    module.__class__ = _SHARDED_CLASSES[base, names, held]
+        _SHARDED_CLASSES[base, names, held, fsdp2_methods] = type(base.__name__, (base,), namespace)
+    module.__class__ = _SHARDED_CLASSES[base, names, held, fsdp2_methods]

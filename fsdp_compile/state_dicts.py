@@ -5,14 +5,15 @@ rows.
 
 NOTE: entries that pickle
     A repeated block's parameters hold views of its flat buffer (NOTE: flat parameters, in
-    flat_params.py) at nonzero offsets, and torch (2.11-2.13) cannot pickle a DTensor whose
+    flat_params.py) at nonzero offsets, as do tensor-parallel parameters of their rank's rows
+    (``api._tensor_parallel_shard``), and torch (2.11-2.13) cannot pickle a DTensor whose
     local tensor starts past its storage's start: its wrapper's ``data_ptr()`` is the offset,
     not 0, so ``Tensor._reduce_ex_internal`` takes it for a dense tensor and reads a storage the
     wrapper does not have ("Attempted to access the data pointer on an invalid python
     storage"): ``torch.save(model.state_dict())`` would stop there, its file half written, and
-    ``copy.deepcopy(model.state_dict())`` too. Their ``state_dict()`` entries therefore hold,
+    ``copy.deepcopy(model.state_dict())`` too. Such ``state_dict()`` entries therefore hold,
     in place of the view, a tensor over storage of its own that aliases the same rows (a
-    DLPack round trip: the same memory at offset 0, the flat kept alive by it). The entry is a
+    DLPack round trip: the same memory at offset 0, the buffer kept alive by it). The entry is a
     plain DTensor: ``torch.save`` writes its rows alone and ``deepcopy`` copies them, while
     DCP's in-place load, as any in-place write to an entry, still writes into the model's
     buffer. Dynamo does not know that an entry and its parameter alias: a function the user
@@ -48,22 +49,24 @@ from fsdp_compile.errors import UsageError
 from fsdp_compile.flat_params import converted_flat, hold_local
 from fsdp_compile.records import shard_info
 
-__all__ = ["load_into_shards", "materialise_loaded_flats", "save_member_entries"]
+__all__ = ["load_into_shards", "materialise_loaded_flats", "save_picklable_entries"]
 
 
-def save_member_entries(self: nn.Module, destination, prefix, keep_vars) -> None:
+def save_picklable_entries(self: nn.Module, destination, prefix, keep_vars) -> None:
     """``nn.Module._save_to_state_dict`` of a module holding sharded parameters: the module's
-    own, then each flat member's entry a DTensor over storage of its own aliasing its rows (see
-    NOTE: entries that pickle)."""
+    own, then each entry whose rows do not fill their storage (a flat's member, a
+    tensor-parallel shard cut from its rank's rows) a DTensor over storage of its own
+    aliasing them (see NOTE: entries that pickle)."""
     type(self)._mfsdp_base._save_to_state_dict(self, destination, prefix, keep_vars)
     if keep_vars:
         return
-    for name, param in self._parameters.items():
+    for name in self._parameters:
         entry = destination.get(prefix + name)
-        if getattr(param, "_mfsdp_flat", None) is None or not isinstance(entry, DTensor):
+        if not isinstance(entry, DTensor) or entry._local_tensor.is_meta:
             continue
         local = entry._local_tensor
-        if not local.is_meta:  # the first member too: saved as a view, it would write the whole flat
+        # The first member of a flat too: saved as a view, it would write the whole flat.
+        if local.storage_offset() or local.untyped_storage().nbytes() != local.nbytes:
             alias = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(local.detach()))
             destination[prefix + name] = DTensor.from_local(
                 alias, entry.device_mesh, entry.placements, run_check=False, shape=entry.shape, stride=entry.stride()

@@ -1081,6 +1081,8 @@ def test_save_pretrained_of_shards_is_refused_with_the_full_state_dict_recipe(ca
         assert not os.listdir(path)
         model.save_pretrained(path, True, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
         assert "model.safetensors" in os.listdir(path)
+        # The inner model holds the refusal, not FSDP2's methods: those would act on its part.
+        assert not hasattr(model.model, "set_requires_gradient_sync")
 
 
 def _after_training(model, reference, rank: int, params: dict) -> dict:

@@ -284,6 +284,31 @@ def test_parameters_are_gathered_over_dp_and_the_tensor_parallel_collectives_sta
     assert not _groups(body.forward, ALL_GATHER, ALL_GATHER_OUT) and not _groups(body.backward, REDUCE_SCATTER)
 
 
+def _saved_and_loaded(rank: int, world: int, *, path: str) -> tuple[bool, bool]:
+    import copy
+
+    model = _parallelized(init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp")))
+    state = model.state_dict()
+    torch.save(state, f"{path}/rank{rank}.pt")
+    loaded, copied = torch.load(f"{path}/rank{rank}.pt"), copy.deepcopy(state)
+    past_the_start = any(param.to_local().storage_offset() for param in model.parameters())
+    return past_the_start, all(
+        torch.equal(loaded[name].to_local(), value.to_local()) and torch.equal(copied[name].to_local(), value.to_local())
+        for name, value in state.items()
+    )
+
+
+@pytest.mark.multirank
+def test_a_tensor_parallel_state_dict_pickles_on_every_rank(tmp_path):
+    """``torch.save(model.state_dict())`` and ``copy.deepcopy`` of it on each rank of dp 2 x
+    tp 2, where the second data-parallel rank's rows start past their storage's start: each
+    entry gives back its rows (NOTE: entries that pickle, in state_dicts.py). Before, those
+    entries raised "Attempted to access the data pointer on an invalid python storage"."""
+    results = spawn(_saved_and_loaded, DP * TP, path=str(tmp_path))
+    assert any(past_the_start for past_the_start, _ in results), results
+    assert all(equal for _, equal in results), results
+
+
 @pytest.mark.structure
 def test_weights_a_block_reads_without_a_gradient_get_no_reduction_and_no_grad():
     """The test transformer split by ``transformer_tensor_parallel``: each block's weights are
