@@ -2,12 +2,10 @@
 ``save_pretrained`` writes full tensors or refuses, before any collective.
 
 A sharded model's ``state_dict()`` holds this rank's rows of each parameter, as DTensors, which
-safetensors cannot write (under FSDP2 too). HF's ``save_pretrained`` without a ``state_dict``
-fails there when every rank calls it; called on rank 0 alone, as with DDP
-(``if rank == 0: model.save_pretrained(path)``), its tied-weight check reads an element of
-DTensors sharing a storage (a repeated block's members share its flat buffer), a collective
-the other ranks never join: rank 0 hung. Either way the fix is the full state dict, gathered by
-every rank and written by one; this says so at the call.
+safetensors cannot write (under FSDP2 too), and called on rank 0 alone, as with DDP
+(``if rank == 0: model.save_pretrained(path)``), nothing can gather them: any collective would
+wait for ranks that never join. The fix is the full state dict, gathered by every rank and
+written by one; ``save_pretrained`` without it says so, before any collective or file.
 
 As fsdp_compile/hf.py, nothing here imports transformers or PEFT: they are looked for among the
 modules already imported.

@@ -1,7 +1,6 @@
-"""A sharded model's state dicts: ``state_dict`` entries of a repeated block's parameters
-pickle and deep-copy as the rows they hold; a ``load_state_dict`` that would replace a sharded
-parameter writes its values into it instead, and a full tensor copied in gives it this rank's
-rows.
+"""A sharded model's state dicts: ``state_dict`` entries pickle and deep-copy as the rows they
+hold; a ``load_state_dict`` that would replace a sharded parameter writes its values into it
+instead, and a full tensor copied in gives it this rank's rows.
 
 NOTE: entries that pickle
     A repeated block's parameters hold views of its flat buffer (NOTE: flat parameters, in
