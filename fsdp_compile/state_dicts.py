@@ -61,11 +61,9 @@ def save_picklable_entries(self: nn.Module, destination, prefix, keep_vars) -> N
         return
     for name in self._parameters:
         entry = destination.get(prefix + name)
-        if not isinstance(entry, DTensor) or entry._local_tensor.is_meta:
-            continue
-        local = entry._local_tensor
+        local = entry._local_tensor if isinstance(entry, DTensor) else None
         # The first member of a flat too: saved as a view, it would write the whole flat.
-        if local.storage_offset() or local.untyped_storage().nbytes() != local.nbytes:
+        if local is not None and not local.is_meta and local.untyped_storage().nbytes() != local.nbytes:
             alias = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(local.detach()))
             destination[prefix + name] = DTensor.from_local(
                 alias, entry.device_mesh, entry.placements, run_check=False, shape=entry.shape, stride=entry.stride()
