@@ -100,7 +100,7 @@ NOTE: DTensors at a block call
     a number for that, and the placements values: a call given a DTensor of symbolic sizes (a
     step compiled with dynamic shapes), or one still a masked partial sum (whose placement
     holds the mask of its own call), is traced inline, said once
-    (``regions._say_dtensor_inline``), and a block returning one of symbolic sizes is
+    (``region_notices.say_dtensor_inline``), and a block returning one of symbolic sizes is
     refused, naming the fix.
 """
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_compile.backend import compiling_backend
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_weight
 from fsdp_compile.flat_params import forget_graded
@@ -39,15 +40,16 @@ from fsdp_compile.state_dicts import load_into_shards, save_picklable_entries
 
 __all__ = [
     "set_requires_gradient_sync", "reduce_untaken_sums", "install_properties", "marker_args", "unshard_marker", "float8_read", "gather",
-    "in_a_forward", "copied_module",
+    "in_a_forward", "copied_module", "traced_by_mfsdp",
 ]
 
 
-def marker_args(info: ShardInfo, stored_dtype: torch.dtype) -> tuple:
+def marker_args(info: ShardInfo, stored_dtype: torch.dtype, *, param_id: int | None = None) -> tuple:
     """The ``unshard`` marker's constant arguments for a parameter (its ``ShardInfo``, its
-    storage dtype), after the shard and the accumulation state."""
+    storage dtype), after the shard and the accumulation state; ``param_id`` in place of the
+    record's."""
     return (
-        info.param_id,
+        info.param_id if param_id is None else param_id,
         info.global_shape[0],
         info.group_name,
         info.replicate_group_name,
@@ -92,6 +94,23 @@ def _take_pending(accumulation: dict) -> torch.Tensor | None:
     )
 
 
+# NOTE: a block compiled by another backend
+#     FSDP2's users compile each block (``for layer in model.layers: layer.compile()``) and
+#     expect one compile for all the layers, as an unsharded model gets. Dynamo guards the
+#     constants a frame reads: a parameter's id (only mfsdp's passes use it) and a repeated
+#     block's key differ in every layer, so each layer compiled again, and past
+#     ``recompile_limit`` (8) the later layers ran uncompiled. Traced for another backend, a
+#     read gives the marker the id -1 and a repeated block runs its own forward (regions.py),
+#     its flats' members read one by one: the frame reads only what its layers share.
+
+
+@torch._dynamo.assume_constant_result
+def traced_by_mfsdp() -> bool:
+    """Whether Dynamo traces the current frame for mfsdp (run, not traced, by Dynamo); False
+    outside a trace."""
+    return compiling_backend() is not None
+
+
 def float8_read(gathered: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     """A gathered float8 weight (``info``'s) as its float8 wrapper; any other as it is."""
     if info.float8 is None:
@@ -104,7 +123,10 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
     """``param`` (its sharding record ``info``) gathered for use: the ``unshard`` marker, then,
     for a float8 weight, its float8 wrapper, and for a tensor-parallel one, its DTensor."""
     try:
-        gathered = float8_read(unshard_marker(param.to_local(), marker_args(info, param.dtype), info.accumulation), info)
+        # See NOTE: a block compiled by another backend.
+        anonymous = -1 if torch.compiler.is_compiling() and not traced_by_mfsdp() else None
+        constants = marker_args(info, param.dtype, param_id=anonymous)
+        gathered = float8_read(unshard_marker(param.to_local(), constants, info.accumulation), info)
         return gathered if info.tensor_parallel is None else info.tensor_parallel.read(gathered)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to
@@ -277,7 +299,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         raise UsageError(
             f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}."
         )
-    for param in gathered_params(module):
+    for param in _accumulating(module):
         info = shard_info(param)
         if info is None:
             continue
@@ -310,7 +332,7 @@ def reduce_untaken_sums(module: nn.Module) -> None:
     the model, as FSDP2's users call it)."""
     if not module.__dict__.pop("_mfsdp_sums_pending", False):
         return
-    for param in gathered_params(module):
+    for param in _accumulating(module):
         info = shard_info(param)
         if info is None or "pending" not in info.accumulation:
             continue
@@ -320,6 +342,15 @@ def reduce_untaken_sums(module: nn.Module) -> None:
         local = param.to_local() if isinstance(param, DTensor) else param  # a flat is its local rows
         gathered = unshard_marker(local, marker_args(info, param.dtype), info.accumulation)
         torch.autograd.backward(gathered, torch.zeros_like(gathered))
+
+
+def _accumulating(module: nn.Module) -> list[nn.Parameter]:
+    """The sharded tensors under ``module`` whose reads may accumulate without sync: each
+    ``gathered_params``, and the members of flats, which a block traced for another backend
+    reads one by one (NOTE: a block compiled by another backend). Only the accumulators a
+    step's reads use get a gradient, so only those cost memory."""
+    params = gathered_params(module)
+    return params + [member.param for flat in params for member in getattr(flat, "_mfsdp_members", ())]
 
 
 def _accumulator(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
@@ -353,7 +384,7 @@ def _reset_iter_state(self: nn.Module) -> None:
             f"reset_iter_state() was called on a {built_class_name(self)} inside the model: call "
             "it on the module fully_shard was called on last (the root), as FSDP2 requires."
         )
-    for param in gathered_params(self):
+    for param in _accumulating(self):
         info = shard_info(param)
         if info is None:
             continue

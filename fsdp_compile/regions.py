@@ -26,7 +26,8 @@ NOTE: one body per repeated block
     step's graph, and runs as a Dynamo frame of its own, compiled once per structure and
     guarded at every call (NOTE: one op per block call, in block_call.py). Run eagerly, or
     compiled with ``options={"regional": False}``, the body is called directly: the whole
-    graph holds every layer. Generated classes are shared per base class
+    graph holds every layer; traced for another backend, the block runs its own forward
+    (NOTE: a block compiled by another backend, in gathered_reads.py). Generated classes are shared per base class
     (``gathered_reads.install_properties``) and the body takes only what is the same for every layer
     (the block, constants, tensors), so one compiled body serves every layer whose guards it
     passes; a layer that differs in anything the body reads fails them and gets a compile of
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import warnings
 import weakref
 from collections import Counter, defaultdict
 from typing import Any
@@ -53,9 +53,12 @@ from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_
 from fsdp_compile.block_record import BlockCall, FlatCopy, python_flags, register_call, say_written_in_step, written_in_trace
 from fsdp_compile.block_runtime import as_dtensors, autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat
-from fsdp_compile.gathered_reads import copied_module, float8_read, unshard_marker
+from fsdp_compile.gathered_reads import copied_module, float8_read, traced_by_mfsdp, unshard_marker
 from fsdp_compile.records import next_param_id, shard_info, stack_layers
 from fsdp_compile.region_body import region_body, region_inline, structure
+from fsdp_compile.region_notices import (
+    say_another_backend, say_cache_layer_inline, say_dtensor_inline, say_inline, say_shared_inline, say_tensor_parallel_inline,
+)
 from fsdp_compile.region_tables import (
     BLOCK_KEYS, BLOCKS, RECIPES, RegionLayout, block_flag_sources, call_layout, call_output_form, gather_recipe, layers_of, opened_at, param_at,
 )
@@ -70,6 +73,9 @@ def is_region(module: nn.Module) -> bool:
 
 
 def _region_forward(self: nn.Module, *args, **kwargs):
+    if torch.compiler.is_compiling() and not traced_by_mfsdp():  # NOTE: a block compiled by another backend
+        say_another_backend(type(self).__name__)
+        return self._mfsdp_region_forward(*args, **kwargs)
     # The markers' constants come from one call Dynamo runs rather than traces: read field by
     # field from each ShardInfo, they were a guard each (28% of Dynamo's time on an HF Llama,
     # A B A B).
@@ -102,7 +108,7 @@ def _region_forward(self: nn.Module, *args, **kwargs):
         if not stood_in and torch.compiler.is_compiling():
             for leaf in given:
                 if hf_caches.is_cache(leaf) and (kind := hf_caches.unanswered_layer(leaf, block_layers)):
-                    _say_cache_layer_inline(type(self).__name__, type(leaf).__name__, kind)
+                    say_cache_layer_inline(type(self).__name__, type(leaf).__name__, kind)
                     said = True
     layout, tensor_at, constant_at = call_layout(len(args), tuple(kwargs), len(gathered), opened, sizes, is_tensor)
     constants = tuple(map(operator.getitem, itertools.repeat(leaves), constant_at))
@@ -110,14 +116,14 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     # and Dynamo would give up on the frame holding the layer loop: the call is traced inline.
     passable = all(map(_passable, constants))
     if not passable and not said and torch.compiler.is_compiling():
-        _say_inline(type(self).__name__, _first_unpassable(tuple(map(type, constants))))
+        say_inline(type(self).__name__, _first_unpassable(tuple(map(type, constants))))
     if any(map(isinstance, leaves, itertools.repeat(DTensor))) and _dtensors_kept_inline(leaves):
         # The body reads a DTensor again from its local tensor and a global shape, which a
         # symbolic size could not give it, and from its placements, of which a masked partial
         # sum holds a mask of the call's own (NOTE: DTensors at a block call, in block_call.py).
         passable = False
         if torch.compiler.is_compiling():
-            _say_dtensor_inline(type(self).__name__)
+            say_dtensor_inline(type(self).__name__)
     train = torch.is_grad_enabled()
     call, inline = (
         _block_call(self._mfsdp_region_key, layout, recipe, is_tensor, constants, train, _flags(self)) if stood_in and passable else (-1, True)
@@ -127,11 +133,10 @@ def _region_forward(self: nn.Module, *args, **kwargs):
         if call >= 0:
             BLOCK_GRADED(gathered, tensors, call)
         elif train and self._mfsdp_region_flats and torch.compiler.is_compiling():
-            # Traced inline with no fake run (an argument no constant stands for, a DTensor,
-            # a cache with states): nothing would say which of a flat's members get a
-            # gradient, and an idle one would be handed zeros (NOTE: parameters without a
-            # gradient, in block_fakes.py). The block's own forward instead, each parameter
-            # gathered by its own read: one without a gradient keeps None.
+            # Traced inline with no fake run (an argument no constant stands for, a DTensor, a
+            # cache with states): nothing says which members of a flat get a gradient, and an
+            # idle one would get zeros (NOTE: parameters without a gradient, in block_fakes.py).
+            # The block's own forward: each read gathers, one without a gradient keeps None.
             return self._mfsdp_region_forward(*args, **kwargs)
         return region_inline(self, layout, recipe, *gathered, *given)
     if train and any(float8):
@@ -201,77 +206,10 @@ def _first_unpassable(types_: tuple[type, ...]) -> str:
     return next(t.__name__ for t in types_ if t not in _PASSABLE and t is not tuple)
 
 
-@torch._dynamo.assume_constant_result
-def _say_inline(block: str, argument: str) -> None:
-    """Said once per block class and argument type (Python's warnings keep the first)."""
-    warnings.warn(
-        f"a repeated {block} is called with a {argument}, which mfsdp cannot hand to the "
-        "block's compiled body (only tensors, None, numbers, strings, dtypes, devices and "
-        "HF's DynamicCache and EncoderDecoderCache go through): each such call is traced "
-        "inline in the step, as with options={'regional': False}, and compile time grows with "
-        "depth. Pass the values the block reads from it instead (tensors or constants).",
-        stacklevel=2,
-    )
-
-
-@torch._dynamo.assume_constant_result
-def _say_cache_layer_inline(block: str, cache: str, layer: str) -> None:
-    """Said once per block class and cache layer class (Python's warnings keep the first)."""
-    warnings.warn(
-        f"a repeated {block} is called with HF's {cache} holding a {layer} for its layer, "
-        "whose calls mfsdp cannot hand to the block's compiled body (it hands over a cache's keys and values "
-        "only): each such call is traced inline in the step, as with "
-        "options={'regional': False}, and compile time grows with depth. To train, call the "
-        "model with use_cache=False (or set model.config.use_cache = False before compiling): "
-        "HF then builds no cache, which training does not read, and each layer is one call of "
-        "the compiled body.",
-        stacklevel=2,
-    )
-
-
-def _say_shared_inline(block: str, parameter: str) -> None:
-    """Said once per block class and parameter (Python's warnings keep the first)."""
-    warnings.warn(
-        f"{parameter!r} of the repeated {block} blocks is also held outside each block (a "
-        "weight shared between layers): a block's compiled body takes only weights of "
-        "its own, so these blocks are traced inline in the step, as with "
-        "options={'regional': False}, at eager's results, and compile time grows with depth.",
-        stacklevel=3,
-    )
-
-
-def _say_tensor_parallel_inline(block: str, module: str) -> None:
-    """Said once per block class (Python's warnings keep the first)."""
-    warnings.warn(
-        f"{module!r} in the repeated {block} blocks has tensor parallelism's hooks and others: "
-        "a block's compiled body runs the former and records the latter, not both on one "
-        "module, so these layers are traced inline in the step, as with "
-        "options={'regional': False}, and compile time grows with depth. Put the other hooks "
-        "on a module without tensor-parallel ones (its parent, a child).",
-        stacklevel=3,
-    )
-
-
 def _dtensors_kept_inline(leaves: tuple) -> bool:
     dtensors = [t for t in leaves if isinstance(t, DTensor)]
     symbolic = any(isinstance(s, torch.SymInt) for t in dtensors for s in (*t.shape, *t.stride()))
     return symbolic or any(isinstance(p, MaskPartial) for t in dtensors for p in t.placements)
-
-
-@torch._dynamo.assume_constant_result
-def _say_dtensor_inline(block: str) -> None:
-    """Said once per block class (Python's warnings keep the first)."""
-    warnings.warn(
-        f"a repeated {block} is called with a DTensor of symbolic sizes (sequence parallelism "
-        "keeps the residual stream one, and the step was compiled with dynamic shapes), or "
-        "one still a masked partial sum (a vocabulary-parallel embedding's output before its "
-        "reduction): a block's compiled body reads it again from its local tensor, global "
-        "shape and placements, which a symbolic size or a call's own mask cannot give, so each "
-        "such call is traced inline in the step, as with options={'regional': False}, and "
-        "compile time grows with depth. Compile with dynamic=False (each new length compiles "
-        "the step again), and reduce the embedding's output before the blocks, to keep one body.",
-        stacklevel=2,
-    )
 
 
 def _regroup(form: tuple, outputs: list) -> Any:
@@ -350,14 +288,14 @@ def _layout(block: nn.Module, shared: set[int]) -> RegionLayout | None:
     owners, slot_params, path_of = defaultdict(list), [], {}
     for path, owner in block.named_modules():
         if mixes_tensor_parallel_hooks(owner):
-            _say_tensor_parallel_inline(type(block).__name__, path)
+            say_tensor_parallel_inline(type(block).__name__, path)
             return None
         for name, param in owner._parameters.items():
             if param is None:
                 continue
             info = shard_info(param)
             if info is not None and id(param) in shared:
-                _say_shared_inline(type(block).__name__, f"{path}.{name}" if path else name)
+                say_shared_inline(type(block).__name__, f"{path}.{name}" if path else name)
                 return None
             if info is None:
                 return None

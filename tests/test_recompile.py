@@ -4,10 +4,12 @@ compiles were for, and runs are deterministic on CPU."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
+from torch._dynamo.backends.debugging import aot_eager
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
@@ -17,6 +19,7 @@ from harness import (
     full_parameters,
     max_param_error,
     mean_over_ranks,
+    TOLERANCE,
     one_rank_group,
     per_rank_reference,
     relative_error,
@@ -195,3 +198,56 @@ def test_same_seed_gives_bitwise_identical_runs():
     for (losses_a, params_a), (losses_b, params_b) in zip(first, second):
         assert torch.equal(losses_a, losses_b)
         assert all(torch.equal(params_a[n], params_b[n]) for n in params_a)
+
+
+@pytest.mark.structure
+def test_blocks_compiled_one_by_one_compile_once_for_all_the_layers():
+    """FSDP2's habit, ``layer.compile()`` on each block, on an HF Llama of 10 layers (more than
+    Dynamo's recompile limit, 8): the layer's frame compiles once for all of them per grad
+    mode and sync (NOTE: a block compiled by another backend), where each layer's parameter
+    ids and block key were guards and layers 9 and 10 ran uncompiled. Trained with
+    accumulation (a micro-batch without sync reduces nothing) and an evaluation between
+    steps, it matches the unsharded model (one gloo rank). That each weight is gathered on its
+    own there is said, with ``backend="mfsdp"`` as the fix."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=10, num_attention_heads=4,
+        num_key_value_heads=2, use_cache=False,
+    )
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    model = copy.deepcopy(reference)
+    compiled = []
+
+    def counting(gm, example_inputs):
+        compiled.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    batches = torch.randint(0, 64, (3, 2, 2, 12), generator=torch.Generator().manual_seed(1))
+    with one_rank_group(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        for layer in model.model.layers:
+            layer.compile(backend=counting)
+        for net in (model, reference):
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+            for step in batches:
+                for micro, tokens in enumerate(step):
+                    if net is model:
+                        model.set_requires_gradient_sync(micro == len(step) - 1)
+                    net(input_ids=tokens, labels=tokens).loss.div(len(step)).backward()
+                    if net is model and micro < len(step) - 1:  # the sums wait, unreduced
+                        # (torch 2.11's to_local hands the accumulator's missing gradient on as zeros)
+                        assert not any(p.grad is not None and p.grad.to_local().any() for p in model.parameters())
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    net(input_ids=step[0], labels=step[0])
+        expected = {n: p.detach() for n, p in reference.named_parameters()}
+        error, name = max_param_error(full_parameters(model), expected)
+    assert len(compiled) == 3, len(compiled)  # with gradients and sync, without sync, without gradients
+    assert error < TOLERANCE, (error, name)
+    said = {str(w.message) for w in caught if "other than mfsdp" in str(w.message)}
+    assert len(said) == 1 and 'torch.compile(model, backend="mfsdp")' in said.pop()
