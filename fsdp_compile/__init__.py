@@ -5,7 +5,7 @@ places the all-gathers and reduce-scatters on the traced graph.
 """
 
 from fsdp_compile.api import fully_shard
-from fsdp_compile.gathered_reads import set_requires_gradient_sync
+from fsdp_compile.accumulation import set_requires_gradient_sync
 from fsdp_compile.records import MixedPrecision, gathered_params, is_fully_sharded, shard_info
 from fsdp_compile.capture import CapturedStep, capture_step
 from fsdp_compile.clip import clip_grad_norm_

@@ -5,7 +5,7 @@ accumulation loop, ``model.unshard()`` before generating, ``set_modules_to_forwa
 Each name does here what it means here, or raises one ``UsageError`` saying what mfsdp does
 instead and what to call, in place of ``nn.Module``'s bare ``AttributeError``:
 
-- ``set_requires_gradient_sync`` and ``reset_iter_state`` (in gathered_reads.py, beside the
+- ``set_requires_gradient_sync`` and ``reset_iter_state`` (in accumulation.py, beside the
   accumulation state they change) do what FSDP2's do.
 - ``set_is_last_backward`` and ``set_unshard_in_backward`` take a bool and change nothing: each
   compiled backward finishes its own reductions, and gathers a parameter only where its

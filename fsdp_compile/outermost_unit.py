@@ -16,7 +16,7 @@ from torch._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from fsdp_compile.flat_params import follow_members
-from fsdp_compile.gathered_reads import reduce_untaken_sums
+from fsdp_compile.accumulation import reduce_untaken_sums
 from fsdp_compile.meta_buffers import refuse_unfilled_buffers
 from fsdp_compile.region_tables import BLOCKS
 from fsdp_compile.regions import is_region

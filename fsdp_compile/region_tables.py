@@ -17,7 +17,7 @@ from torch import nn
 from fsdp_compile.block_record import Recipe, call_record, flag_sources
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.flat_params import check_linked
-from fsdp_compile.gathered_reads import marker_args
+from fsdp_compile.accumulation import marker_args
 from fsdp_compile.records import shard_info
 from fsdp_compile.side_outputs import hooked_modules, layer_indices
 

@@ -53,7 +53,8 @@ from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_
 from fsdp_compile.block_record import BlockCall, FlatCopy, python_flags, register_call, say_written_in_step, written_in_trace
 from fsdp_compile.block_runtime import as_dtensors, autocast_state
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat
-from fsdp_compile.gathered_reads import copied_module, float8_read, traced_by_mfsdp, unshard_marker
+from fsdp_compile.accumulation import unshard_marker
+from fsdp_compile.gathered_reads import copied_module, float8_read, traced_by_mfsdp
 from fsdp_compile.records import next_param_id, shard_info, stack_layers
 from fsdp_compile.region_body import region_body, region_inline, structure
 from fsdp_compile.region_notices import (

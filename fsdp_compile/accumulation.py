@@ -1,0 +1,196 @@
+"""Gradient accumulation without sync: the state the ``unshard`` marker takes, turned off and
+on by ``set_requires_gradient_sync``, and the sums no read takes reduced into ``.grad``.
+
+With sync off, each parameter's read hands its marker an accumulator: a full-shape leaf whose
+``.grad`` autograd sums the unreduced gradients into, in ``reduce_dtype`` (ShardInfo's
+``accumulation`` dict holds it). Sync on again turns that sum into ``pending``, which the next
+read with gradients takes and its backward adds before the one reduction. A flat parameter
+accumulates for its members (NOTE: flat parameters, in flat_params.py); a member read on its
+own (NOTE: a block compiled by another backend, in gathered_reads.py) has an accumulator of
+its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_compile.errors import UsageError
+from fsdp_compile.flat_params import forget_graded
+from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, is_outermost_unit, shard_info
+
+__all__ = ["marker_args", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums", "ACCUMULATION_METHODS"]
+
+
+def marker_args(info: ShardInfo, stored_dtype: torch.dtype, *, param_id: int | None = None) -> tuple:
+    """The ``unshard`` marker's constant arguments for a parameter (its ``ShardInfo``, its
+    storage dtype), after the shard and the accumulation state; ``param_id`` in place of the
+    record's."""
+    return (
+        info.param_id if param_id is None else param_id,
+        info.global_shape[0],
+        info.group_name,
+        info.replicate_group_name,
+        info.strategy,
+        # A float8 weight is cast from its stored dtype, as torchao casts the master.
+        info.param_dtype if info.float8 is None else stored_dtype,
+        info.reduce_dtype,
+        info.grad_divisor,
+    )
+
+
+def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict) -> torch.Tensor:
+    """The ``unshard`` marker on a parameter's local shard: a real collective when run eagerly,
+    one graph node when traced. ``constants``: ``marker_args(info, param.dtype)``;
+    ``accumulation``: the record's accumulation state (``ShardInfo.accumulation``), which
+    Dynamo guards on, so a step recompiles when sync is turned off or on.
+
+    The sum the micro-batches accumulated without sync (``pending``) goes to the first read
+    after sync is turned on that can make a gradient: a read under ``torch.no_grad()`` or
+    ``inference_mode`` (an evaluation before the last micro-batch) leaves it, as FSDP2, which
+    adds the sum in backward, keeps it."""
+    # Read the state's entries only when there are some: each read is a guard, and a pop a
+    # side effect Dynamo records, for every parameter of every layer.
+    # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
+    # every parameter of every layer (3% of Dynamo's time on a 32-layer HF Llama, profiled).
+    return torch.ops.fsdp_compile.unshard.default(
+        local,
+        accumulation.get("accumulator") if accumulation else None,
+        _take_pending(accumulation) if accumulation and torch.is_grad_enabled() else None,
+        *constants,
+    )
+
+
+def _take_pending(accumulation: dict) -> torch.Tensor | None:
+    """The accumulated sum, taken from the state once. Under ``torch.utils.checkpoint``
+    Dynamo refuses a side effect, which an eager recompute would replay, and then compiles
+    no part of the step: here the forward's read takes the sum and its backward adds it, and
+    the recompute (in the graph, or eager, the sum held by the forward's ``ctx``) takes
+    nothing."""
+    return torch._dynamo.utils._disable_side_effect_safety_checks_for_current_subtracer(
+        accumulation.pop, "pending", None
+    )
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction off for the micro-batches before the last, and back on for it.
+
+    With sync off, backward runs no collective: each parameter's full, unreduced gradient is
+    summed locally (in ``reduce_dtype``; this costs one full-size gradient per parameter, as in
+    FSDP2). Turning sync on again makes the next forward/backward reduce that sum together with
+    its own gradient, once (a forward under ``no_grad`` leaves the sum: ``unshard_marker``;
+    one whose reads leave some reduces them as it returns: ``reduce_untaken_sums``). Applies
+    to every sharded parameter under ``module``; also a method of modules ``fully_shard``
+    returned (``model.set_requires_gradient_sync(False)``).
+    """
+    if not isinstance(requires_gradient_sync, bool):
+        raise UsageError(
+            f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}."
+        )
+    for param in _accumulating(module):
+        info = shard_info(param)
+        if info is None:
+            continue
+        state = info.accumulation  # a tied parameter read through two modules has one
+        if not requires_gradient_sync:
+            # A flat's own flag follows its members at the next forward (NOTE: requires_grad
+            # after fully_shard, in flat_params.py): ask them.
+            members = getattr(param, "_mfsdp_members", ())
+            trainable = any(m.param.requires_grad for m in members) if members else param.requires_grad
+            if trainable and "accumulator" not in state:
+                state["accumulator"] = _accumulator(param, info)
+            continue
+        # Whatever the flag says now: an accumulator left behind would take the next gradient.
+        accumulator = state.pop("accumulator", None)
+        if accumulator is not None and accumulator.grad is not None:
+            state["pending"] = accumulator.grad
+            # Where the forward's hook looks before finding a sum no read took.
+            module.__dict__["_mfsdp_sums_pending"] = True
+
+
+def reduce_untaken_sums(module: nn.Module) -> None:
+    """After a forward with gradients: each sum the micro-batches accumulated without sync
+    that no read took (a weight the last micro-batch read only under ``no_grad``, or not at
+    all) reduced into its ``.grad``, where the unsharded model holds the earlier
+    micro-batches' gradients. Left, the next step's first read would add it to a gradient of
+    its own. The weight is gathered once more and differentiated with a zero gradient: its
+    backward adds the sum and reduces it, and a flat hands its members their rows, as in a
+    step. A weight frozen since drops its sum. Every rank runs the same reads, so the same
+    collectives. Looked for only where ``set_requires_gradient_sync`` made sums (called on
+    the model, as FSDP2's users call it)."""
+    if not module.__dict__.pop("_mfsdp_sums_pending", False):
+        return
+    for param in _accumulating(module):
+        info = shard_info(param)
+        if info is None or "pending" not in info.accumulation:
+            continue
+        if not param.requires_grad:
+            del info.accumulation["pending"]
+            continue
+        local = param.to_local() if isinstance(param, DTensor) else param  # a flat is its local rows
+        gathered = unshard_marker(local, marker_args(info, param.dtype), info.accumulation)
+        torch.autograd.backward(gathered, torch.zeros_like(gathered))
+
+
+def _accumulating(module: nn.Module) -> list[nn.Parameter]:
+    """The sharded tensors under ``module`` whose reads may accumulate without sync: each
+    ``gathered_params``, and the members of flats, which a block traced for another backend
+    reads one by one (NOTE: a block compiled by another backend). Only the accumulators a
+    step's reads use get a gradient, so only those cost memory."""
+    params = gathered_params(module)
+    return params + [member.param for flat in params for member in getattr(flat, "_mfsdp_members", ())]
+
+
+def _accumulator(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    # A full-shape leaf over one element of storage: only its .grad (full size) costs memory.
+    one = torch.zeros((), dtype=info.reduce_dtype, device=param.device)
+    return one.expand(info.global_shape).requires_grad_(True)
+
+
+def _set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    if recurse is not True:
+        # FSDP2's recurse=False sets it for the unit's own parameters, not its inner units'.
+        raise UsageError(
+            "set_requires_gradient_sync(..., recurse=False) is not supported by fsdp_compile: it "
+            "sets the flag for every parameter under the module it is called on. Leave recurse "
+            "at True."
+        )
+    set_requires_gradient_sync(self, requires_gradient_sync)
+
+
+_set_requires_gradient_sync.__doc__ = set_requires_gradient_sync.__doc__
+
+
+def _reset_iter_state(self: nn.Module) -> None:
+    """FSDP2's recovery after a forward or backward that raised: what the micro-batches
+    accumulated without gradient sync since the last reduction is dropped, as FSDP2 drops it
+    (restart the micro-batch sequence); sync stays as it was. Nothing else outlives a failed
+    step here: the gathers and reductions are the compiled step's own."""
+    if not is_outermost_unit(self):
+        # On a part of the model it would leave the rest's sum in place, without a word.
+        raise UsageError(
+            f"reset_iter_state() was called on a {built_class_name(self)} inside the model: call "
+            "it on the module fully_shard was called on last (the root), as FSDP2 requires."
+        )
+    for param in _accumulating(self):
+        info = shard_info(param)
+        if info is None:
+            continue
+        state = info.accumulation
+        state.pop("pending", None)
+        if "accumulator" in state:
+            state["accumulator"] = _accumulator(param, info)
+        if hasattr(param, "_mfsdp_members"):
+            forget_graded(param)
+
+
+# Called from eager code (a frame Dynamo fell back on), the marker's call must run eagerly:
+# compiled as a frame of its own, its int arguments would turn symbolic.
+torch._dynamo.eval_frame.skip_code(unshard_marker.__code__)
+
+# FSDP2's ``FSDPModule`` methods on accumulation, installed on sharded classes (gathered_reads.py).
+ACCUMULATION_METHODS = {
+    "set_requires_gradient_sync": _set_requires_gradient_sync,
+    "reset_iter_state": _reset_iter_state,
+}
