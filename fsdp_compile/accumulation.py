@@ -17,10 +17,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile.errors import UsageError
-from fsdp_compile.flat_params import forget_graded
+from fsdp_compile.flat_params import forget_graded, hand_out
 from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, is_outermost_unit, shard_info
 
-__all__ = ["marker_args", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums", "ACCUMULATION_METHODS"]
+__all__ = [
+    "marker_args", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums", "settle_changed_sums", "ACCUMULATION_METHODS",
+]
 
 
 def marker_args(info: ShardInfo, stored_dtype: torch.dtype, *, param_id: int | None = None) -> tuple:
@@ -88,6 +90,8 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         raise UsageError(
             f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}."
         )
+    if not requires_gradient_sync:
+        module.__dict__["_mfsdp_summing"] = True  # where settle_changed_sums looks
     for param in _accumulating(module):
         info = shard_info(param)
         if info is None:
@@ -97,9 +101,9 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
             # A flat's own flag follows its members at the next forward (NOTE: requires_grad
             # after fully_shard, in flat_params.py): ask them.
             members = getattr(param, "_mfsdp_members", ())
-            trainable = any(m.param.requires_grad for m in members) if members else param.requires_grad
+            trainable = any(_trainable(members)) if members else param.requires_grad
             if trainable and "accumulator" not in state:
-                state["accumulator"] = _accumulator(param, info)
+                _start_sum(param, info)
             continue
         # Whatever the flag says now: an accumulator left behind would take the next gradient.
         accumulator = state.pop("accumulator", None)
@@ -116,9 +120,10 @@ def reduce_untaken_sums(module: nn.Module) -> None:
     micro-batches' gradients. Left, the next step's first read would add it to a gradient of
     its own. The weight is gathered once more and differentiated with a zero gradient: its
     backward adds the sum and reduces it, and a flat hands its members their rows, as in a
-    step. A weight frozen since drops its sum. Every rank runs the same reads, so the same
-    collectives. Looked for only where ``set_requires_gradient_sync`` made sums (called on
-    the model, as FSDP2's users call it)."""
+    step (a weight frozen before this forward had its sum reduced as it began:
+    ``settle_changed_sums``; one frozen during it drops it). Every rank runs the same
+    reads, so the same collectives. Looked for only where ``set_requires_gradient_sync``
+    made sums (called on the model, as FSDP2's users call it)."""
     if not module.__dict__.pop("_mfsdp_sums_pending", False):
         return
     for param in _accumulating(module):
@@ -131,6 +136,68 @@ def reduce_untaken_sums(module: nn.Module) -> None:
         local = param.to_local() if isinstance(param, DTensor) else param  # a flat is its local rows
         gathered = unshard_marker(local, marker_args(info, param.dtype), info.accumulation)
         torch.autograd.backward(gathered, torch.zeros_like(gathered))
+
+
+def settle_changed_sums(module: nn.Module) -> None:
+    """Before a forward (run eagerly: outermost_unit.py): each sum the micro-batches
+    accumulated without sync for a weight frozen or unfrozen since (``requires_grad_``)
+    reduced into the ``.grad`` of the weights it was summed for, as the unsharded model
+    keeps the gradients each weight had before its freeze, and gives one unfrozen since
+    only the later ones. A flat sums for its members together, so when one changes the
+    sum so far is reduced now (one collective, on every rank, which change the same
+    weights) and a new sum starts for those trainable now. Not inside a function Dynamo
+    traces, nor under ``inference_mode`` (the next forward settles then). Looked for while
+    ``set_requires_gradient_sync(False)`` called on ``module`` left sums (on the model, as
+    FSDP2's users call it)."""
+    if not module.__dict__.get("_mfsdp_summing") or torch.is_inference_mode_enabled():
+        return
+    summing = False
+    for param in _accumulating(module):
+        info = shard_info(param)
+        if info is None or not info.accumulation:
+            continue
+        summing = True
+        members = getattr(param, "_mfsdp_members", None)
+        now = _trainable(members) if members else (param.requires_grad,)
+        summed_for = getattr(param, "_mfsdp_summed_for", now) if members else (True,)
+        if now == summed_for:
+            continue
+        state = info.accumulation
+        accumulator = state.pop("accumulator", None)
+        total = accumulator.grad if accumulator is not None else state.pop("pending", None)
+        if total is not None:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            rows = torch.ops.fsdp_compile.reduce_grad.default(
+                total, None, info.param_id, local.shape[0], info.group_name, info.replicate_group_name, info.strategy,
+                info.reduce_dtype, local.dtype, info.grad_divisor,
+            )
+            if members:
+                hand_out(param, rows, summed_for)
+            else:
+                _add_grad(param, DTensor(rows, param._spec, requires_grad=False))
+        if accumulator is not None and any(now):
+            _start_sum(param, info)
+    if not summing:  # the accumulation is over: forwards look again once sync is turned off
+        del module.__dict__["_mfsdp_summing"]
+
+
+def _add_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
+
+
+def _trainable(members) -> tuple[bool, ...]:
+    return tuple(member.param.requires_grad for member in members)
+
+
+def _start_sum(param: nn.Parameter, info: ShardInfo) -> None:
+    """A new accumulator for ``param``; a flat records which members it sums for."""
+    info.accumulation["accumulator"] = _accumulator(param, info)
+    if members := getattr(param, "_mfsdp_members", None):
+        param._mfsdp_summed_for = _trainable(members)
 
 
 def _accumulating(module: nn.Module) -> list[nn.Parameter]:
@@ -180,7 +247,7 @@ def _reset_iter_state(self: nn.Module) -> None:
         state = info.accumulation
         state.pop("pending", None)
         if "accumulator" in state:
-            state["accumulator"] = _accumulator(param, info)
+            _start_sum(param, info)
         if hasattr(param, "_mfsdp_members"):
             forget_graded(param)
 

@@ -72,7 +72,7 @@ from fsdp_compile.markers import padded_rows
 
 __all__ = [
     "FlatLayout", "flat_groups", "make_flat", "converted_flat", "check_linked", "is_flat", "note_graded", "note_block_graded",
-    "hold_local",
+    "hold_local", "hand_out",
 ]
 
 
@@ -323,26 +323,31 @@ def _hand_out_grads(flat: nn.Parameter) -> None:
     parameters); a member the backward gave no gradient gets none, as autograd would."""
     if flat.grad is None:  # a micro-batch without gradient sync: the accumulator took it
         return
-    grad = flat.grad
+    grad, flat.grad = flat.grad, None
+    # A member frozen beside trainable ones shares their flat's gradient, not autograd's
+    # answer: it keeps its .grad as a frozen leaf does.
+    hand_out(flat, grad, tuple(member.param.requires_grad for member in flat._mfsdp_members))
+
+
+def hand_out(flat: nn.Parameter, grad: torch.Tensor, receiving: tuple[bool, ...]) -> None:
+    """Add ``grad``, this rank's rows of ``flat``'s reduced gradient, to the ``.grad`` of each
+    member ``receiving`` names that the backwards since the last hand-out gave one."""
     # An eager backward says for itself; a compiled one as it was traced.
     pending = getattr(flat, "_mfsdp_graded", None)
     graded = pending[0] if pending is not None else getattr(flat, "_mfsdp_graded_compiled", None)
     flat._mfsdp_graded = None
     graded = graded or (True,) * len(flat._mfsdp_members)
     with torch.no_grad():
-        for member, has_grad in zip(flat._mfsdp_members, graded):
-            param = member.param
-            # A member frozen beside trainable ones shares their flat's gradient, not autograd's
-            # answer: it keeps its .grad as a frozen leaf does.
-            if not has_grad or not param.requires_grad:
+        for member, has_grad, receives in zip(flat._mfsdp_members, graded, receiving):
+            if not has_grad or not receives:
                 continue
+            param = member.param
             # The cheap constructor: the member's own spec (mesh, placements, global shape).
             piece = DTensor(grad[member.offset : member.offset + member.numel].view(member.local_shape), param._spec, requires_grad=False)
             if param.grad is None:
                 param.grad = piece
             else:
                 param.grad.add_(piece)
-    flat.grad = None
 
 
 def check_linked(flat: nn.Parameter) -> None:

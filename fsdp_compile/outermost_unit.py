@@ -16,7 +16,7 @@ from torch._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from fsdp_compile.flat_params import follow_members
-from fsdp_compile.accumulation import reduce_untaken_sums
+from fsdp_compile.accumulation import reduce_untaken_sums, settle_changed_sums
 from fsdp_compile.meta_buffers import refuse_unfilled_buffers
 from fsdp_compile.region_tables import BLOCKS
 from fsdp_compile.regions import is_region
@@ -48,6 +48,7 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     refuse_unfilled_buffers(module)
     if not torch.compiler.is_compiling():
         _follow_members(module._mfsdp_regions)
+        settle_changed_sums(module)
         return
     # Traced, inside a function of the user's (``torch.compile(train_step)``): the flats follow
     # while Dynamo traces, before the blocks read them, and each member's flag read here is a

@@ -5,6 +5,7 @@ and nothing they do to a parameter is lost on the way to the flat."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -356,6 +357,59 @@ def test_a_block_frozen_while_gradients_accumulate_trains_again_once_unfrozen():
         assert {n for n, g in grads.items() if g is None} == {n for n, g in want.items() if g is None}, step
         for name, grad in grads.items():
             assert grad is None or torch.allclose(grad, want[name], rtol=1e-5, atol=1e-7), (step, name)
+
+
+def _freeze_while_accumulating(model, forward, *, sharded):
+    """Three micro-batches, sync off but for the last: frozen from the start and unfrozen
+    before the last, a member (``layers.2.mlp.gate``); frozen after the first, a whole block,
+    a member beside trainable ones and a parameter of its own (``norm``). Then a step with
+    everything trainable. Each backward round's gradients, as ``named_parameters`` holds them."""
+    grads = []
+    model.layers[2].mlp.gate.weight.requires_grad_(False)
+    for micro in range(3):
+        if micro == 1:
+            model.layers[0].requires_grad_(False)
+            model.layers[1].attn.wqkv.weight.requires_grad_(False)
+            model.norm.weight.requires_grad_(False)
+        if micro == 2:
+            model.layers[2].mlp.gate.weight.requires_grad_(True)
+        if sharded:
+            model.set_requires_gradient_sync(micro == 2)
+        tokens, targets = make_batch(CFG, 2, 8, micro, 0)
+        loss_fn(forward(tokens), targets).div(3).backward()
+    for round_ in range(2):
+        grads.append({n: None if p.grad is None else p.grad.full_tensor() if sharded else p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad()
+        model.requires_grad_(True)
+        tokens, targets = make_batch(CFG, 2, 8, 3, 0)
+        loss_fn(forward(tokens), targets).backward()
+    return grads
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("mode", ["uncompiled", "mfsdp", "per-block"])
+def test_a_weight_frozen_or_unfrozen_between_micro_batches_keeps_the_unsharded_gradients(mode):
+    """The unsharded model keeps the gradients a weight had before it was frozen between two
+    micro-batches, and gives one unfrozen between them only the later ones. Before, a weight
+    frozen since the sum began lost it (``.grad`` None: a block, a member of a flat, a
+    parameter of its own) and a member unfrozen since got the gradients of the micro-batches
+    it was frozen for (its flat had summed them). Now every ``.grad`` equals the unsharded
+    model's, uncompiled, compiled by mfsdp and with each block compiled by another backend."""
+    reference = build_model(CFG)
+    expected = _freeze_while_accumulating(reference, reference, sharded=False)
+    with one_rank_group():
+        model = fully_shard(build_model(CFG))
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if mode == "mfsdp" else model
+        if mode == "per-block":
+            for layer in model.layers:
+                layer.compile(backend="aot_eager")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # per-block: the per-weight gathers are said
+            got = _freeze_while_accumulating(model, forward, sharded=True)
+    for round_, (grads, want) in enumerate(zip(got, expected)):
+        assert {n for n, g in grads.items() if g is None} == {n for n, g in want.items() if g is None}, round_
+        for name, grad in grads.items():
+            assert grad is None or torch.allclose(grad, want[name], rtol=1e-5, atol=1e-7), (round_, name)
 
 
 @pytest.mark.multirank
