@@ -108,6 +108,12 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         # Whatever the flag says now: an accumulator left behind would take the next gradient.
         accumulator = state.pop("accumulator", None)
         if accumulator is not None and accumulator.grad is not None:
+            if hasattr(param, "_mfsdp_flat"):
+                # A member read on its own (NOTE: a block compiled by another backend) is
+                # reduced now: its read taking the sum would make a checkpoint's recompute of
+                # the block's frame, which finds none, trace a graph that saves other tensors.
+                _reduce_sum(param, info, accumulator.grad, (True,))
+                continue
             state["pending"] = accumulator.grad
             # Where the forward's hook looks before finding a sum no read took.
             module.__dict__["_mfsdp_sums_pending"] = True
@@ -166,22 +172,25 @@ def settle_changed_sums(module: nn.Module) -> None:
         accumulator = state.pop("accumulator", None)
         total = accumulator.grad if accumulator is not None else state.pop("pending", None)
         if total is not None:
-            local = param.to_local() if isinstance(param, DTensor) else param
-            rows = torch.ops.fsdp_compile.reduce_grad.default(
-                total, None, info.param_id, local.shape[0], info.group_name, info.replicate_group_name, info.strategy,
-                info.reduce_dtype, local.dtype, info.grad_divisor,
-            )
-            if members:
-                hand_out(param, rows, summed_for)
-            else:
-                _add_grad(param, DTensor(rows, param._spec, requires_grad=False))
+            _reduce_sum(param, info, total, summed_for)
         if accumulator is not None and any(now):
             _start_sum(param, info)
     if not summing:  # the accumulation is over: forwards look again once sync is turned off
         del module.__dict__["_mfsdp_summing"]
 
 
-def _add_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+def _reduce_sum(param: nn.Parameter, info: ShardInfo, total: torch.Tensor, receiving: tuple[bool, ...]) -> None:
+    """``total``, a sum accumulated without sync, reduced now (a collective) and added to the
+    ``.grad`` of ``param``, or of a flat's members ``receiving`` names."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    rows = torch.ops.fsdp_compile.reduce_grad.default(
+        total, None, info.param_id, local.shape[0], info.group_name, info.replicate_group_name, info.strategy,
+        info.reduce_dtype, local.dtype, info.grad_divisor,
+    )
+    if hasattr(param, "_mfsdp_members"):
+        hand_out(param, rows, receiving)
+        return
+    grad = DTensor(rows, param._spec, requires_grad=False)
     with torch.no_grad():
         if param.grad is None:
             param.grad = grad

@@ -48,7 +48,11 @@ __all__ = ["install_properties", "float8_read", "gather", "in_a_forward", "copie
 #     block's key differ in every layer, so each layer compiled again, and past
 #     ``recompile_limit`` (8) the later layers ran uncompiled. Traced for another backend, a
 #     read gives the marker the id -1 and a repeated block runs its own forward (regions.py),
-#     its flats' members read one by one: the frame reads only what its layers share.
+#     its flats' members read one by one: the frame reads only what its layers share. (A
+#     function of the user's around mfsdp looks like another backend; mfsdp's planner then
+#     refuses the unnamed reads, naming the fix.) Such a member accumulates on its own, and
+#     its sum is reduced as sync turns on rather than taken by its next read: a checkpoint
+#     recomputing the block's frame would find none taken and trace another graph.
 
 
 @torch._dynamo.assume_constant_result

@@ -108,6 +108,13 @@ def build_plan(gm: fx.GraphModule, example_inputs: list, options: BackendOptions
         )
     graph_name = gm.meta.get("dynamo_compile_id", None) or getattr(gm, "_mfsdp_name", "graph")
     read_order = [marker_param_id(n) for n in gm.graph.nodes if is_unshard(n)]
+    if -1 in read_order:  # NOTE: a block compiled by another backend, in gathered_reads.py
+        raise CompileUsageError(
+            "the mfsdp backend was reached through a wrapper fsdp_compile cannot see through (a "
+            "function or object of yours around it), so the model's reads took it for another "
+            "backend and left their parameters unnamed. Pass backend=\"mfsdp\" or an MfsdpBackend "
+            "itself to torch.compile."
+        )
     buckets = plan_buckets(
         params, read_order, enabled=options.bucketing, cap_bytes=options.bucket_cap_bytes
     )

@@ -6,9 +6,11 @@ first of each message."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
+from torch._dynamo.symbolic_convert import InstructionTranslator
 
 __all__ = [
     "say_inline", "say_cache_layer_inline", "say_shared_inline", "say_tensor_parallel_inline", "say_dtensor_inline",
@@ -85,8 +87,19 @@ def say_dtensor_inline(block: str) -> None:
 
 @torch._dynamo.assume_constant_result
 def say_another_backend(block: str) -> None:
-    """Said once per block class (NOTE: a block compiled by another backend, in
-    gathered_reads.py)."""
+    """Said once per block class and ``torch.compile`` call (NOTE: a block compiled by another
+    backend, in gathered_reads.py): the backend object Dynamo compiles for keeps which it said,
+    as Python's own once-only filter forgets whenever a compile enters
+    ``warnings.catch_warnings``."""
+    backend = InstructionTranslator.current_tx().output.compiler_fn
+    said = getattr(backend, "_mfsdp_said_another_backend", None)
+    if said is None:
+        said = set()
+        with contextlib.suppress(AttributeError):  # an object without attributes of its own says each time
+            backend._mfsdp_said_another_backend = said
+    if block in said:
+        return
+    said.add(block)
     warnings.warn(
         f"a repeated {block} of a sharded model is traced by Dynamo for a backend other than mfsdp "
         "(layer.compile() or torch.compile(model) with its default backend, as with FSDP2): it trains "

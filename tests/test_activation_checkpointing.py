@@ -4,7 +4,9 @@ dropout, is the matrix's ``activation_checkpointing`` cell on every layout (test
 
 from __future__ import annotations
 
+import copy
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -71,3 +73,42 @@ def test_a_checkpointed_block_keeps_no_activation_from_forward_to_backward():
     assert waiting == 0 and len(backend.pending) == 0 and plain_waiting == CHECKPOINTED.n_layers
     # Saved and alive without checkpointing: the blocks' activations, the shards, the inputs.
     assert checkpointed < plain / 2, (checkpointed, plain)
+
+
+@pytest.mark.structure
+def test_blocks_compiled_one_by_one_inside_a_checkpoint_accumulate_as_eagerly():
+    """FSDP2's habit: each block compiled on its own (``layer.compile()``) and called through
+    ``torch.utils.checkpoint`` (non-reentrant), two micro-batches, sync off for the first.
+    The recompute of a block's frame traced a graph that saved other tensors ("A different
+    number of tensors was saved"), because the forward's read had taken the accumulated sum
+    and the recompute's found none: the sum of a weight read on its own is reduced as sync
+    turns on instead. Gradients equal the unsharded model's (one gloo rank)."""
+    from harness import GatedLayer
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(GatedLayer(16, frozen=False) for _ in range(3))
+
+        def forward(self, h):
+            for layer in self.layers:
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+            return h
+
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference)
+    with one_rank_group(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the per-weight gathers are said
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        for layer in model.layers:
+            layer.compile(backend="aot_eager")
+        for sync, h in zip((False, True), torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(1))):
+            model.set_requires_gradient_sync(sync)
+            model(h).sum().backward()
+            reference(h).sum().backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name

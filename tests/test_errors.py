@@ -79,6 +79,18 @@ def test_compiling_an_unsharded_model_says_to_call_fully_shard():
 
 
 @pytest.mark.structure
+def test_the_mfsdp_backend_behind_a_wrapper_of_yours_says_to_pass_it_itself():
+    """A function around the backend hides it from the reads, which then take the compile for
+    another backend's and leave each parameter unnamed (NOTE: a block compiled by another
+    backend): said with the fix before anything runs, where mfsdp's passes failed inside."""
+    backend = MfsdpBackend(compiler="eager")
+    with fake_process_group(2):
+        model = torch.compile(fully_shard(nn.Linear(4, 4)), backend=lambda gm, inputs: backend(gm, inputs))
+        with pytest.raises(ValueError, match='Pass backend="mfsdp" or an MfsdpBackend itself'):
+            model(torch.randn(2, 4))
+
+
+@pytest.mark.structure
 def test_compiling_a_model_sharded_by_fsdp2_names_the_swap():
     """A user moving from FSDP2 keeps torch's ``fully_shard`` and switches the backend: the
     error says the two do not compose and which ``fully_shard`` to call."""
