@@ -90,8 +90,10 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         raise UsageError(
             f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}."
         )
-    if not requires_gradient_sync:
-        module.__dict__["_mfsdp_summing"] = True  # where settle_changed_sums looks
+    # Where settle_changed_sums and reset_iter_state look.
+    round_ = _round(module, opening=not requires_gradient_sync)
+    if requires_gradient_sync and round_ is not None:
+        module.__dict__["_mfsdp_summing"][1] = False
     for param in _accumulating(module):
         info = shard_info(param)
         if info is None:
@@ -112,7 +114,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
                 # A member read on its own (NOTE: a block compiled by another backend) is
                 # reduced now: its read taking the sum would make a checkpoint's recompute of
                 # the block's frame, which finds none, trace a graph that saves other tensors.
-                _reduce_sum(param, info, accumulator.grad, (True,))
+                _reduce_sum(param, info, accumulator.grad, (True,), round_)
                 continue
             state["pending"] = accumulator.grad
             # Where the forward's hook looks before finding a sum no read took.
@@ -172,22 +174,26 @@ def settle_changed_sums(module: nn.Module) -> None:
         accumulator = state.pop("accumulator", None)
         total = accumulator.grad if accumulator is not None else state.pop("pending", None)
         if total is not None:
-            _reduce_sum(param, info, total, summed_for)
+            _reduce_sum(param, info, total, summed_for, _round(module, opening=False))
         if accumulator is not None and any(now):
             _start_sum(param, info)
     if not summing:  # the accumulation is over: forwards look again once sync is turned off
         del module.__dict__["_mfsdp_summing"]
 
 
-def _reduce_sum(param: nn.Parameter, info: ShardInfo, total: torch.Tensor, receiving: tuple[bool, ...]) -> None:
+def _reduce_sum(param: nn.Parameter, info: ShardInfo, total: torch.Tensor, receiving: tuple[bool, ...], round_: object) -> None:
     """``total``, a sum accumulated without sync, reduced now (a collective) and added to the
-    ``.grad`` of ``param``, or of a flat's members ``receiving`` names."""
+    ``.grad`` of ``param``, or of a flat's members ``receiving`` names; each keeps what its
+    ``.grad`` was before the accumulation ``round_`` first added to it, for ``reset_iter_state``."""
+    members = getattr(param, "_mfsdp_members", None)
+    for target in [m.param for m, r in zip(members, receiving) if r] if members else [param]:
+        _keep_grad_before(target, round_)
     local = param.to_local() if isinstance(param, DTensor) else param
     rows = torch.ops.fsdp_compile.reduce_grad.default(
         total, None, info.param_id, local.shape[0], info.group_name, info.replicate_group_name, info.strategy,
         info.reduce_dtype, local.dtype, info.grad_divisor,
     )
-    if hasattr(param, "_mfsdp_members"):
+    if members:
         hand_out(param, rows, receiving)
         return
     grad = DTensor(rows, param._spec, requires_grad=False)
@@ -196,6 +202,22 @@ def _reduce_sum(param: nn.Parameter, info: ShardInfo, total: torch.Tensor, recei
             param.grad = grad
         else:
             param.grad.add_(grad)
+
+
+def _keep_grad_before(param: nn.Parameter, round_: object) -> None:
+    kept = param.__dict__.get("_mfsdp_grad_before")
+    if round_ is not None and (kept is None or kept[0] is not round_):
+        param.__dict__["_mfsdp_grad_before"] = (round_, None if param.grad is None else param.grad.detach().clone())
+
+
+def _round(module: nn.Module, *, opening: bool) -> object:
+    """The accumulation round ``module`` is in (an object of its own, from the
+    ``set_requires_gradient_sync(False)`` that began it): ``opening`` begins a new one unless
+    one is open; sync turned on closes it, and it lasts until its sums are settled."""
+    current = module.__dict__.get("_mfsdp_summing")
+    if opening and (current is None or not current[1]):
+        current = module.__dict__["_mfsdp_summing"] = [object(), True]
+    return current[0] if current is not None else None
 
 
 def _trainable(members) -> tuple[bool, ...]:
@@ -249,7 +271,11 @@ def _reset_iter_state(self: nn.Module) -> None:
             f"reset_iter_state() was called on a {built_class_name(self)} inside the model: call "
             "it on the module fully_shard was called on last (the root), as FSDP2 requires."
         )
+    round_ = _round(self, opening=False)
     for param in _accumulating(self):
+        kept = param.__dict__.pop("_mfsdp_grad_before", None)
+        if kept is not None and kept[0] is round_:  # what the round reduced early goes too
+            param.grad = kept[1]
         info = shard_info(param)
         if info is None:
             continue

@@ -412,6 +412,37 @@ def test_a_weight_frozen_or_unfrozen_between_micro_batches_keeps_the_unsharded_g
             assert grad is None or torch.allclose(grad, want[name], rtol=1e-5, atol=1e-7), (round_, name)
 
 
+@pytest.mark.structure
+def test_reset_iter_state_after_a_freeze_drops_what_the_freeze_reduced_early():
+    """A freeze between micro-batches reduces the sum so far into ``.grad`` as the next forward
+    begins; when that forward raises, ``reset_iter_state()`` gives up the whole micro-batch
+    sequence, that early part too, as FSDP2 drops a given-up sequence: every ``.grad`` is as
+    before it began (None), and the restarted sequence's gradients are the unsharded model's."""
+    reference = build_model(CFG)
+    with one_rank_group():
+        model = fully_shard(build_model(CFG))
+        model.set_requires_gradient_sync(False)
+        tokens, targets = make_batch(CFG, 2, 8, 0, 0)
+        loss_fn(model(tokens), targets).backward()
+        model.norm.weight.requires_grad_(False)
+        model.layers[1].attn.wqkv.weight.requires_grad_(False)
+        with pytest.raises(IndexError):
+            model(torch.full_like(tokens, CFG.vocab))  # out of the embedding's range
+        model.reset_iter_state()
+        assert [n for n, p in model.named_parameters() if p.grad is not None] == []
+        model.norm.weight.requires_grad_(True)
+        model.layers[1].attn.wqkv.weight.requires_grad_(True)
+        for micro in (1, 2):
+            tokens, targets = make_batch(CFG, 2, 8, micro, 0)
+            model.set_requires_gradient_sync(micro == 2)
+            loss_fn(model(tokens), targets).div(2).backward()
+            loss_fn(reference(tokens), targets).div(2).backward()
+        grads = {n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert (grads[name] is None) == (p.grad is None), name
+        assert p.grad is None or torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-7), name
+
+
 @pytest.mark.multirank
 def test_gradients_reach_every_parameter_as_autograd_would():
     """Two gloo ranks: each member's ``.grad`` is a DTensor view of its block's reduced
