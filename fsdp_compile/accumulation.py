@@ -93,7 +93,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     # Where settle_changed_sums and reset_iter_state look.
     round_ = _round(module, opening=not requires_gradient_sync)
     if requires_gradient_sync and round_ is not None:
-        module.__dict__["_mfsdp_summing"][1] = False
+        round_["open"] = False
     for param in _accumulating(module):
         info = shard_info(param)
         if info is None:
@@ -132,6 +132,9 @@ def reduce_untaken_sums(module: nn.Module) -> None:
     ``settle_changed_sums``; one frozen during it drops it). Every rank runs the same
     reads, so the same collectives. Looked for only where ``set_requires_gradient_sync``
     made sums (called on the model, as FSDP2's users call it)."""
+    round_ = _round(module)
+    if round_ is not None and not round_["open"]:
+        round_["done"] = True  # its last micro-batch's forward ran: the next forward ends it
     if not module.__dict__.pop("_mfsdp_sums_pending", False):
         return
     for param in _accumulating(module):
@@ -154,17 +157,21 @@ def settle_changed_sums(module: nn.Module) -> None:
     only the later ones. A flat sums for its members together, so when one changes the
     sum so far is reduced now (one collective, on every rank, which change the same
     weights) and a new sum starts for those trainable now. Not inside a function Dynamo
-    traces, nor under ``inference_mode`` (the next forward settles then). Looked for while
-    ``set_requires_gradient_sync(False)`` called on ``module`` left sums (on the model, as
-    FSDP2's users call it)."""
-    if not module.__dict__.get("_mfsdp_summing") or torch.is_inference_mode_enabled():
+    traces, nor under ``inference_mode`` (the next forward settles then). Looked for during
+    an accumulation round begun by ``set_requires_gradient_sync(False)`` on ``module`` (on the
+    model, as FSDP2's users call it); the forward after the round's last ends it."""
+    round_ = _round(module)
+    if round_ is None or torch.is_inference_mode_enabled():
         return
-    summing = False
+    if round_["done"]:  # nothing is summed any more, and reset_iter_state has nothing to drop
+        del module.__dict__["_mfsdp_round"]
+        for param in _accumulating(module):
+            param.__dict__.pop("_mfsdp_grad_before", None)
+        return
     for param in _accumulating(module):
         info = shard_info(param)
         if info is None or not info.accumulation:
             continue
-        summing = True
         members = getattr(param, "_mfsdp_members", None)
         now = _trainable(members) if members else (param.requires_grad,)
         summed_for = getattr(param, "_mfsdp_summed_for", now) if members else (True,)
@@ -174,14 +181,14 @@ def settle_changed_sums(module: nn.Module) -> None:
         accumulator = state.pop("accumulator", None)
         total = accumulator.grad if accumulator is not None else state.pop("pending", None)
         if total is not None:
-            _reduce_sum(param, info, total, summed_for, _round(module, opening=False))
+            _reduce_sum(param, info, total, summed_for, round_)
         if accumulator is not None and any(now):
             _start_sum(param, info)
-    if not summing:  # the accumulation is over: forwards look again once sync is turned off
-        del module.__dict__["_mfsdp_summing"]
 
 
-def _reduce_sum(param: nn.Parameter, info: ShardInfo, total: torch.Tensor, receiving: tuple[bool, ...], round_: object) -> None:
+def _reduce_sum(
+    param: nn.Parameter, info: ShardInfo, total: torch.Tensor, receiving: tuple[bool, ...], round_: dict | None
+) -> None:
     """``total``, a sum accumulated without sync, reduced now (a collective) and added to the
     ``.grad`` of ``param``, or of a flat's members ``receiving`` names; each keeps what its
     ``.grad`` was before the accumulation ``round_`` first added to it, for ``reset_iter_state``."""
@@ -204,20 +211,22 @@ def _reduce_sum(param: nn.Parameter, info: ShardInfo, total: torch.Tensor, recei
             param.grad.add_(grad)
 
 
-def _keep_grad_before(param: nn.Parameter, round_: object) -> None:
+def _keep_grad_before(param: nn.Parameter, round_: dict | None) -> None:
     kept = param.__dict__.get("_mfsdp_grad_before")
     if round_ is not None and (kept is None or kept[0] is not round_):
         param.__dict__["_mfsdp_grad_before"] = (round_, None if param.grad is None else param.grad.detach().clone())
 
 
-def _round(module: nn.Module, *, opening: bool) -> object:
-    """The accumulation round ``module`` is in (an object of its own, from the
-    ``set_requires_gradient_sync(False)`` that began it): ``opening`` begins a new one unless
-    one is open; sync turned on closes it, and it lasts until its sums are settled."""
-    current = module.__dict__.get("_mfsdp_summing")
-    if opening and (current is None or not current[1]):
-        current = module.__dict__["_mfsdp_summing"] = [object(), True]
-    return current[0] if current is not None else None
+def _round(module: nn.Module, *, opening: bool = False) -> dict | None:
+    """The accumulation round ``module`` is in, if any: a dict of its own (its identity names
+    the round), from the ``set_requires_gradient_sync(False)`` that began it; ``opening``
+    begins a new one unless one is open. Sync turned on closes it (``open``), its last
+    micro-batch's forward marks it ``done``, and the forward after that ends it, so a
+    ``reset_iter_state()`` after a forward or backward of the round that raised finds it."""
+    current = module.__dict__.get("_mfsdp_round")
+    if opening and (current is None or not current["open"]):
+        current = module.__dict__["_mfsdp_round"] = {"open": True, "done": False}
+    return current
 
 
 def _trainable(members) -> tuple[bool, ...]:
@@ -271,7 +280,7 @@ def _reset_iter_state(self: nn.Module) -> None:
             f"reset_iter_state() was called on a {built_class_name(self)} inside the model: call "
             "it on the module fully_shard was called on last (the root), as FSDP2 requires."
         )
-    round_ = _round(self, opening=False)
+    round_ = _round(self)
     for param in _accumulating(self):
         kept = param.__dict__.pop("_mfsdp_grad_before", None)
         if kept is not None and kept[0] is round_:  # what the round reduced early goes too

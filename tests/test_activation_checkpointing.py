@@ -112,3 +112,4 @@ def test_blocks_compiled_one_by_one_inside_a_checkpoint_accumulate_as_eagerly():
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     for name, p in reference.named_parameters():
         assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
+

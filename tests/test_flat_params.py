@@ -5,6 +5,7 @@ and nothing they do to a parameter is lost on the way to the flat."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -441,6 +442,56 @@ def test_reset_iter_state_after_a_freeze_drops_what_the_freeze_reduced_early():
     for name, p in reference.named_parameters():
         assert (grads[name] is None) == (p.grad is None), name
         assert p.grad is None or torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.structure
+def test_blocks_compiled_one_by_one_give_up_a_failed_micro_batch_sequence_whole():
+    """Each block compiled on its own: the sums of the first micro-batch are reduced as sync
+    turns on; when the last micro-batch's forward then raises, ``reset_iter_state()`` drops
+    them too (a reviewer found them kept, and the restarted sequence counted them twice), and
+    the restarted sequence's gradients are the unsharded model's (one gloo rank)."""
+    from harness import GatedLayer
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(GatedLayer(16, frozen=False) for _ in range(3))
+            self.fail = False
+
+        def forward(self, h):
+            for at, layer in enumerate(self.layers):
+                h = layer(h)
+                if self.fail and at == 1:
+                    raise RuntimeError("a failing micro-batch")
+            return h
+
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference)
+    h = torch.randn(4, 2, 8, 16, generator=torch.Generator().manual_seed(1))
+    with one_rank_group(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the per-weight gathers are said
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        for layer in model.layers:
+            layer.compile(backend="aot_eager")
+        model.set_requires_gradient_sync(False)
+        model(h[0]).sum().backward()
+        model.set_requires_gradient_sync(True)
+        model.fail = True
+        with pytest.raises(RuntimeError, match="a failing micro-batch"):
+            model(h[1])
+        model.fail = False
+        model.reset_iter_state()
+        assert [n for n, p in model.named_parameters() if p.grad is not None] == []
+        for sync, micro in ((False, h[2]), (True, h[3])):
+            model.set_requires_gradient_sync(sync)
+            model(micro).sum().backward()
+            reference(micro).sum().backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
 
 
 @pytest.mark.multirank
