@@ -568,6 +568,37 @@ class GatedLayer(torch.nn.Module):
         return h + self.a(h) * gate
 
 
+class GatedStack(torch.nn.Module):
+    """Three ``GatedLayer``s, each called through a non-reentrant ``torch.utils.checkpoint``
+    when ``checkpointed``; with ``fail`` set, the forward raises after the second (a
+    micro-batch that fails mid-forward)."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(GatedLayer(16, frozen=False) for _ in range(3))
+        self.checkpointed = checkpointed
+        self.fail = False
+
+    def forward(self, h):
+        for at, layer in enumerate(self.layers):
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False) if self.checkpointed else layer(h)
+            if self.fail and at == 1:
+                raise RuntimeError("a failing micro-batch")
+        return h
+
+
+def shard_and_compile_each_block(model: torch.nn.Module) -> None:
+    """FSDP2's habit on ``model.layers``: ``fully_shard`` each layer, then the model, then
+    ``layer.compile()`` each (aot_eager)."""
+    from fsdp_compile import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for layer in model.layers:
+        layer.compile(backend="aot_eager")
+
+
 def float8_model(cfg: TransformerConfig = FLOAT8_CFG, seed: int = 0, filtered: bool = True):
     """``build_model`` with torchao float8 linears gathered in float8
     (``enable_fsdp_float8_all_gather=True``); ``filtered`` leaves out the linears the float8

@@ -17,7 +17,7 @@ from fsdp_compile.block_call import BLOCK_FORWARD
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives
-from harness import build_model, compile_one_step, fake_process_group, one_rank_group
+from harness import GatedStack, build_model, compile_one_step, fake_process_group, one_rank_group, shard_and_compile_each_block
 
 CHECKPOINTED = TransformerConfig(checkpoint_blocks=True)
 
@@ -83,28 +83,12 @@ def test_blocks_compiled_one_by_one_inside_a_checkpoint_accumulate_as_eagerly():
     number of tensors was saved"), because the forward's read had taken the accumulated sum
     and the recompute's found none: the sum of a weight read on its own is reduced as sync
     turns on instead. Gradients equal the unsharded model's (one gloo rank)."""
-    from harness import GatedLayer
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(GatedLayer(16, frozen=False) for _ in range(3))
-
-        def forward(self, h):
-            for layer in self.layers:
-                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
-            return h
-
     torch.manual_seed(0)
-    reference = Net()
+    reference = GatedStack(checkpointed=True)
     model = copy.deepcopy(reference)
     with one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-weight gathers are said
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        for layer in model.layers:
-            layer.compile(backend="aot_eager")
+        shard_and_compile_each_block(model)
         for sync, h in zip((False, True), torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(1))):
             model.set_requires_gradient_sync(sync)
             model(h).sum().backward()

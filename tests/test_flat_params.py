@@ -20,12 +20,14 @@ from fsdp_compile.patterns import count_collectives, is_all_gather, is_unshard, 
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import (
     SUMMATION_ORDER_EPS,
+    GatedStack,
     build_model,
     compile_one_step,
     fake_process_group,
     global_batch,
     one_rank_group,
     relative_error,
+    shard_and_compile_each_block,
     spawn,
 )
 
@@ -451,32 +453,13 @@ def test_blocks_compiled_one_by_one_give_up_a_failed_micro_batch_sequence_whole(
     turns on; when the last micro-batch's forward then raises, ``reset_iter_state()`` drops
     them too (a reviewer found them kept, and the restarted sequence counted them twice), and
     the restarted sequence's gradients are the unsharded model's (one gloo rank)."""
-    from harness import GatedLayer
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(GatedLayer(16, frozen=False) for _ in range(3))
-            self.fail = False
-
-        def forward(self, h):
-            for at, layer in enumerate(self.layers):
-                h = layer(h)
-                if self.fail and at == 1:
-                    raise RuntimeError("a failing micro-batch")
-            return h
-
     torch.manual_seed(0)
-    reference = Net()
+    reference = GatedStack()
     model = copy.deepcopy(reference)
     h = torch.randn(4, 2, 8, 16, generator=torch.Generator().manual_seed(1))
     with one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-weight gathers are said
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        for layer in model.layers:
-            layer.compile(backend="aot_eager")
+        shard_and_compile_each_block(model)
         model.set_requires_gradient_sync(False)
         model(h[0]).sum().backward()
         model.set_requires_gradient_sync(True)
