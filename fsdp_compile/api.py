@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp_compile.compat import gather_cpu_tensors_one_work_each
+from fsdp_compile.compat import checkpoint_rng_states_saved_as_tensors, gather_cpu_tensors_one_work_each
 from fsdp_compile.errors import UsageError
 from fsdp_compile.expert_parallel import (
     ExpertParam,
@@ -204,6 +204,7 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh(module)
     if mesh.device_type == "cpu":
         gather_cpu_tensors_one_work_each()  # every step's gathers on gloo (compat.py says why)
+        checkpoint_rng_states_saved_as_tensors()  # per-block compiles under checkpoints (ditto)
     unit = unit_name(module)
 
     sharded: dict[int, nn.Parameter] = {}

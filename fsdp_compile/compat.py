@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 from typing import Iterator
 
 import torch
@@ -16,6 +17,7 @@ from torch._inductor import output_code
 from torch.distributed.device_mesh import DeviceMesh
 
 _GATHER_ON_CPU: torch.library.Library | None = None
+_RNG_STATES_AS_TENSORS = False
 
 
 def _all_gather_into_fresh_tensor(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
@@ -49,6 +51,79 @@ def gather_cpu_tensors_one_work_each() -> None:
     if _GATHER_ON_CPU is None and torch.distributed.is_available():
         _GATHER_ON_CPU = torch.library.Library("_c10d_functional", "IMPL")
         _GATHER_ON_CPU.impl("all_gather_into_tensor", _all_gather_into_fresh_tensor, "CPU")
+
+
+def checkpoint_rng_states_saved_as_tensors() -> None:
+    """A checkpointed region with a CPU random op compiles with the RNG state it saves for
+    its recompute among the saved tensors, where AOTAutograd's runtime looks for it.
+
+    torch 2.13's partitioner (``functionalize_rng_ops``, the non-graphsafe path it takes for
+    CPU random ops, SDPA's CPU kernel among them) appends each RNG state to the forward's
+    outputs after the saved opaque objects. A graph that also saves one (the ``DeviceMesh`` a
+    DTensor parameter's ``to_local`` needs in backward: every block compiled on its own, as
+    FSDP2 users do) then has the state counted as the opaque object and the mesh as a tensor,
+    and its first forward failed ("expected all tensors_saved_with_vc_check to be Tensors,
+    got ... DeviceMesh"). Each state is moved before the saved opaque objects, in the forward's
+    outputs and in the backward's inputs alike; a graph torch already orders so is left as it
+    is. Called by ``fully_shard`` on a CPU mesh, the first call patches it: importing the
+    package changes nothing in torch. The patch stays for the process's life."""
+    global _RNG_STATES_AS_TENSORS
+    from torch._functorch import partitioners
+
+    if _RNG_STATES_AS_TENSORS:
+        return
+    _RNG_STATES_AS_TENSORS = True
+    functionalize = partitioners.functionalize_rng_ops
+
+    @functools.wraps(functionalize)
+    def functionalize_saving_states_as_tensors(joint_module, fw_module, bw_module, num_sym_nodes):
+        fw_module, bw_module = functionalize(joint_module, fw_module, bw_module, num_sym_nodes)
+        if _states_before_opaque_objects(fw_module, bw_module):
+            fw_module.recompile()
+            bw_module.recompile()
+        return fw_module, bw_module
+
+    partitioners.functionalize_rng_ops = functionalize_saving_states_as_tensors
+
+
+def _states_before_opaque_objects(fw_module: torch.fx.GraphModule, bw_module: torch.fx.GraphModule) -> bool:
+    """Moves the forward's saved RNG states, and the backward's inputs that take them, before
+    the first saved opaque object ahead of them; whether anything moved."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    except ImportError:  # torch 2.11: a mesh traces as a fake script object, as it does here
+        is_opaque_node = lambda node: False  # noqa: E731
+
+    def opaque(node) -> bool:  # as the partitioner tells them
+        if not isinstance(node, torch.fx.Node):
+            return False
+        return isinstance(node.meta.get("val"), FakeScriptObject) or is_opaque_node(node)
+
+    output = next(iter(fw_module.graph.find_nodes(op="output")))
+    outputs = list(output.args[0])
+    states = [n for n in outputs if _is_saved_rng_state(n)]
+    if not states or not any(opaque(n) for n in outputs[: outputs.index(states[0])]):
+        return False
+    kept = [n for n in outputs if n not in states]
+    at = next(i for i, n in enumerate(kept) if opaque(n))
+    output.args = (tuple(kept[:at] + states + kept[at:]), *output.args[1:])
+    placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
+    first_opaque = next(p for p in placeholders if opaque(p))  # the backward takes what is saved
+    for placeholder in placeholders:
+        if placeholder.name.startswith("rng_state_output_"):  # the partitioner's name for them
+            first_opaque.prepend(placeholder)
+    return True
+
+
+def _is_saved_rng_state(node) -> bool:
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.target is operator.getitem
+        and node.args[1] == 0
+        and getattr(node.args[0], "target", None) is torch._prims.rng_prims.run_and_save_rng_state
+    )
 
 
 @contextlib.contextmanager
