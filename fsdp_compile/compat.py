@@ -207,28 +207,60 @@ def missing_gradients_stay_missing() -> Iterator[None]:
     gathered on its own (every block weight under tensor parallelism) got a zero gradient in
     the compiled step's joint graph, which AdamW's weight decay then moved, where the
     unsharded model leaves ``.grad`` None. Patched while the backend traces a graph (the
-    joint graph is traced then); a no-op where torch keeps None."""
+    joint graph is traced then); a no-op where torch keeps None. An eager read uses
+    ``local_rows``."""
     from torch.distributed.tensor._api import _ToTorchTensor
 
     if _to_local_keeps_none():
         yield
         return
     forward, backward = _ToTorchTensor.__dict__["forward"], _ToTorchTensor.__dict__["backward"]
-
-    def forward_keeping_none(ctx, *args):
-        ctx.set_materialize_grads(False)
-        return forward.__func__(ctx, *args)
-
-    def backward_keeping_none(ctx, grad_output):
-        if grad_output is None:
-            return None, None
-        return backward.__func__(ctx, grad_output)
-
-    _ToTorchTensor.forward, _ToTorchTensor.backward = staticmethod(forward_keeping_none), staticmethod(backward_keeping_none)
+    _ToTorchTensor.forward = staticmethod(_forward_keeping_none(forward.__func__))
+    _ToTorchTensor.backward = staticmethod(_backward_keeping_none(backward.__func__))
     try:
         yield
     finally:
         _ToTorchTensor.forward, _ToTorchTensor.backward = forward, backward
+
+
+def local_rows(param: torch.Tensor) -> torch.Tensor:
+    """``param.to_local()`` for an eager read, its backward handing a missing gradient on as
+    None on every torch: on torch 2.11 a micro-batch without sync, whose marker returns none,
+    left every weight's ``.grad`` zeros where FSDP2 and the unsharded model leave None (and a
+    weight no later micro-batch reached then got AdamW's decay). A traced read keeps
+    ``to_local``, which the backend patches while it traces (``missing_gradients_stay_missing``)."""
+    # Compiling first: Dynamo would not trace into the cached check.
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or _to_local_keeps_none():
+        return param.to_local()
+    return _to_local_keeping_none().apply(param, None)
+
+
+@functools.cache
+def _to_local_keeping_none() -> type:
+    from torch.distributed.tensor._api import _ToTorchTensor
+
+    class ToLocalKeepingNone(_ToTorchTensor):
+        forward = staticmethod(_forward_keeping_none(_ToTorchTensor.forward))
+        backward = staticmethod(_backward_keeping_none(_ToTorchTensor.backward))
+
+    return ToLocalKeepingNone
+
+
+def _forward_keeping_none(forward):
+    def forward_keeping_none(ctx, *args):
+        ctx.set_materialize_grads(False)
+        return forward(ctx, *args)
+
+    return forward_keeping_none
+
+
+def _backward_keeping_none(backward):
+    def backward_keeping_none(ctx, grad_output):
+        if grad_output is None:
+            return None, None
+        return backward(ctx, grad_output)
+
+    return backward_keeping_none
 
 
 @functools.cache

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile.accumulation import ACCUMULATION_METHODS, marker_args, unshard_marker
 from fsdp_compile.backend import compiling_backend
+from fsdp_compile.compat import local_rows
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import float8_weight
 from fsdp_compile.fsdp2_methods import FSDP2_METHODS
@@ -79,7 +80,7 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
         # See NOTE: a block compiled by another backend.
         anonymous = -1 if torch.compiler.is_compiling() and not traced_by_mfsdp() else None
         constants = marker_args(info, param.dtype, param_id=anonymous)
-        local = param.to_local()
+        local = local_rows(param)
         gathered = float8_read(unshard_marker(local, constants, info.accumulation, take_pending=anonymous is None), info)
         return gathered if info.tensor_parallel is None else info.tensor_parallel.read(gathered)
     except AttributeError as error:

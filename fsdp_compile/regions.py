@@ -52,6 +52,7 @@ from fsdp_compile.backend import compiling_backend
 from fsdp_compile.block_call import BLOCK_FORWARD, BLOCK_GRADED, block_ops_take_float8_weights, float8_without_gradient_detached
 from fsdp_compile.block_record import BlockCall, FlatCopy, python_flags, register_call, say_written_in_step, written_in_trace
 from fsdp_compile.block_runtime import as_dtensors, autocast_state
+from fsdp_compile.compat import local_rows
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat
 from fsdp_compile.accumulation import unshard_marker
 from fsdp_compile.gathered_reads import copied_module, float8_read, traced_by_mfsdp
@@ -85,7 +86,7 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     gathered = [unshard_marker(f, c, shard_info(f).accumulation) for f, c in zip(flat_params, flats)]
     if alone:
         params = self._mfsdp_region_params.values()
-        gathered += [unshard_marker(p.to_local(), c, shard_info(p).accumulation) for p, c in zip(params, alone)]
+        gathered += [unshard_marker(local_rows(p), c, shard_info(p).accumulation) for p, c in zip(params, alone)]
         if any(float8):  # NOTE: float8 weights in a block call, in block_call.py
             at = len(flats)
             gathered[at:] = [float8_read(g, shard_info(p)) if f else g for g, p, f in zip(gathered[at:], params, float8)]
