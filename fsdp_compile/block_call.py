@@ -115,7 +115,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile.block_fakes import fake_run
+from fsdp_compile.block_fakes import fake_run, refuse_input_writes
 from fsdp_compile.block_record import BlockCall, call_record
 from fsdp_compile.block_runtime import (
     as_dtensors,
@@ -170,6 +170,7 @@ def _(
     # autograd, where nothing requires a gradient. The fake run differentiates as they do.
     call_record(call).traced.setdefault("differentiable", [t.requires_grad for t in tensors])
     record = _traced(call, weights, tensors, copied_out)
+    refuse_input_writes(record)
     outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in record.traced["outputs"]]
     return [*outputs, token_like([*weights, *tensors])]
 

@@ -248,7 +248,6 @@ def _differentiable(call: BlockCall, tensors: list[Tensor]) -> list[bool]:
 def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor], copied_out: bool) -> dict:
     """The block's Python on fake tensors: what it returns, and what its forward and backward
     cost (the backward only when the call trains)."""
-    versions = [t._version for t in tensors]
     forward, backward = _RooflineCounter(), _RooflineCounter()
     with torch.no_grad(), forward:
         inputs = body_weights(call, weights, copied_out)
@@ -256,6 +255,9 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
     flags = [*weights_differentiate, *(call.train and d for d in _differentiable(call, tensors))]
     leaves = [t.detach().requires_grad_(d) for t, d in zip((*inputs, *tensors), flags)]
     count = len(inputs)
+    # The leaves' own: a tensor written in place before the call (``h *= 2``) has a version of
+    # its own, which a leaf detached from a fake tensor does not share.
+    versions = [t._version for t in leaves[count:]]
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     try:
         with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), transforms_inside(), forward:
@@ -267,12 +269,7 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
         call.backend().unfakeable.add(call.name)
         _say_unfakeable(type(call.block()).__name__, error.func)
         raise
-    if any(t._version != v for t, v in zip(leaves[count:], versions)):
-        raise CompileUsageError(
-            f"a repeated block ({type(call.block()).__name__}) writes in place to a tensor it "
-            "was called with; its body cannot be compiled on its own. Compile with "
-            "options={'regional': False}, or make the write out of place."
-        )
+    writes_inputs = any(t._version != v for t, v in zip(leaves[count:], versions))
     side_form, side_tensors = flatten(side, stand_ins)
     own = tensors_of(output)
     returned = [*own, *side_tensors]
@@ -309,7 +306,19 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
         "saved_bytes": saved_bytes,
         "held_bytes": held_bytes(call, weights, copied_out),
         "random": forward.random,
+        "writes_inputs": writes_inputs,
     }
+
+
+def refuse_input_writes(call: BlockCall) -> None:
+    """Raised for a call whose body would be compiled on its own (traced inline, the write is
+    the step's like any other) when its fake run wrote in place to a tensor it was called with."""
+    if call.traced["writes_inputs"]:
+        raise CompileUsageError(
+            f"a repeated block ({type(call.block()).__name__}) writes in place to a tensor it "
+            "was called with; its body cannot be compiled on its own. Compile with "
+            "options={'regional': False}, or make the write out of place."
+        )
 
 
 # NOTE: a block fake tensors cannot run

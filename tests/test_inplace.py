@@ -242,3 +242,106 @@ def test_hf_phimoe_router_gets_its_custom_backward():
     assert routers and all(not reference.get_parameter(name).grad.any() for name in routers)
     for name, p in reference.named_parameters():
         assert torch.equal(grads[name], p.grad), name
+
+
+class _WrittenBeforeTheBlocks(nn.Module):
+    """Tensors written in place before torch's own encoder layers take them: the embeddings
+    scaled and shifted (``h *= 4``, ``h += pos``: Gemma-style scaling, learned positions) and
+    a causal mask built by ``triu_``; each layer makes a float mask of the padding itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.pos = nn.Embedding(8, 16)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)
+        )
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h *= 4.0
+        h += self.pos(torch.arange(tokens.shape[1]))
+        causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).triu_(1)
+        padding = torch.zeros(tokens.shape, dtype=torch.bool)
+        padding[:, -2:] = True  # right padding
+        for layer in self.layers:
+            h = layer(h, src_mask=causal, src_key_padding_mask=padding)
+        return self.head(h)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("regional", [True, False], ids=["bodies", "whole_graph"])
+def test_tensors_written_in_place_before_a_repeated_block_keep_eager_results(regional):
+    """A repeated block called with tensors written in place before the call (they carry a
+    version of their own) writes nothing itself: the block's fake run compared their versions
+    with those of leaves detached from them, which start again, and refused the step as
+    writing in place to its inputs, naming ``regional=False``, which failed the same way.
+    Three AdamW steps match the unsharded model (one gloo rank, the eager runner)."""
+    tokens = torch.randint(0, 32, (STEPS, 2, 8), generator=torch.Generator().manual_seed(1))
+
+    def batches(step):
+        return tokens[step], tokens[step]
+
+    def criterion(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    torch.manual_seed(0)
+    reference = _WrittenBeforeTheBlocks()
+    model = copy.deepcopy(reference)
+    expected = train(reference, reference, batches, steps=STEPS, criterion=criterion)
+    with one_rank_group():
+        fully_shard(model)
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=regional))
+        losses = train(model, forward, batches, steps=STEPS, criterion=criterion)
+        error, name = max_param_error(full_parameters(model), {n: p.detach() for n, p in reference.named_parameters()})
+    assert torch.allclose(losses, expected, rtol=1e-6, atol=1e-6), (losses, expected)
+    assert error < 1e-5, (error, name)
+
+
+class _BiasWriting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        bias.add_(1.0)  # in place, to a tensor the layer was called with
+        return self.linear(h) + bias
+
+
+class _WritesItsInput(nn.Module):
+    """Layers that each add to the bias they are called with, in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_BiasWriting() for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        bias = torch.zeros(8)
+        for layer in self.layers:
+            h = layer(h, bias)
+        return h.sum() + bias.sum()
+
+
+@pytest.mark.structure
+def test_a_repeated_block_writing_to_its_input_is_refused_with_a_fix_that_works():
+    """A repeated block that writes in place to a tensor it is called with cannot have its
+    body compiled on its own: refused, naming ``options={'regional': False}``. With it the
+    block is traced inline and the step matches the unsharded model; before, that call's fake
+    run (for which weights get a gradient) refused it the same way (one gloo rank)."""
+    x = torch.randn(2, 8)
+    torch.manual_seed(0)
+    reference = _WritesItsInput()
+    model = copy.deepcopy(reference)
+    expected = reference(x)
+    expected.backward()
+    with one_rank_group():
+        fully_shard(model)
+        with pytest.raises(Exception, match=r"writes in place to a tensor it was called with.*'regional': False"):
+            torch.compile(model, backend=MfsdpBackend(compiler="eager"))(x)
+        loss = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=False))(x)
+        loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    assert torch.equal(loss, expected)
+    for name, p in reference.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
