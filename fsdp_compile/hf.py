@@ -86,6 +86,7 @@ from torch import nn
 
 from fsdp_compile.backend import compiling_backend
 from fsdp_compile.hf_hooks import install_output_hooks, say_input_require_grads, writes_outside_its_call
+from fsdp_compile.hf_mask_skips import SKIP_CHECKS, UNPADDED
 from fsdp_compile.records import built_class_name
 
 __all__ = ["is_hf_model", "install_prelude", "inputs_unread"]
@@ -94,9 +95,6 @@ _MASKS = ("attention_mask", "decoder_attention_mask")
 
 _INPUTS_UNREAD = contextvars.ContextVar("mfsdp_hf_inputs_unread", default=False)
 
-_UNPADDED = contextvars.ContextVar("mfsdp_hf_unpadded", default="")
-"""The class of the HF model whose call is under way without a padding mask (none given, or
-all ones), read as its skip checks are traced; empty otherwise."""
 
 
 def _module(name: str) -> types.ModuleType | None:
@@ -129,8 +127,20 @@ def install_prelude(root: nn.Module) -> None:
             del module.forward, module._mfsdp_hf_prelude
     for model in [root] if is_hf_model(root) else [m for m in root.modules() if is_hf_model(m)]:
         # An instance attribute: the model's class stays the user's (and FSDP2's, HF's).
-        model.forward = types.MethodType(_PRELUDE if model is root else _entry, model)
+        model.forward = types.MethodType(_signed_as_forward(_PRELUDE if model is root else _entry, model), model)
         model._mfsdp_hf_prelude = True
+
+
+def _signed_as_forward(function: Any, model: nn.Module) -> Any:
+    """``function`` (the same code, so the same for Dynamo) with the signature of ``model``'s
+    own forward: HF's ``generate`` reads ``inspect.signature(model.forward)`` to decide what to
+    pass, and given ``(*args, **kwargs)`` it passed no ``position_ids`` (a left-padded prompt
+    then read the positions of its padding: other tokens than the unsharded model's) and no
+    ``logits_to_keep``."""
+    signed = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__, function.__closure__)
+    signed.__dict__.update(function.__dict__)  # Dynamo's mark on the prelude among them
+    signed.__signature__ = inspect.signature(type(model).forward)
+    return signed
 
 
 # NOTE: an HF model inside a module of yours
@@ -248,13 +258,13 @@ def _decided(model: nn.Module, forward: Any, args: tuple, kwargs: dict) -> tuple
     if original is not None and _single_text_model(model) and (positions is None or not unread and _unpacked(positions)):
         masking.find_packed_sequence_indices = _never_packed
         held["find_packed_sequence_indices"] = original
-    for name, answering in _SKIP_CHECKS:
+    for name, answering in SKIP_CHECKS:
         skip = getattr(masking, name, None)
         if skip is not None and (answered := answering(skip)) is not None:
             setattr(masking, name, answered)
             held[name] = skip
     unpadded = not unread and all(arguments.get(name) is None for name in _MASKS)
-    tokens = (_IN_PRELUDE.set(True), _UNPADDED.set(built_class_name(model) if unpadded else ""))
+    tokens = (_IN_PRELUDE.set(True), UNPADDED.set(built_class_name(model) if unpadded else ""))
     return bound, held, tokens
 
 
@@ -313,82 +323,6 @@ def _drop_cache_as_hf_does(model: nn.Module, bound: inspect.BoundArguments) -> N
             logger.warning_once(_CACHE_DROPPED)
 
 
-@functools.cache
-def _answered_skip(original: Any) -> Any:
-    """HF's ``_ignore_causal_mask_sdpa`` answering, where no padding mask is left, from the
-    shapes alone as it does eagerly; traced, transformers before 5.24 refuses every skip (its
-    ``is_tracing`` check comes first). With a padding mask, or a tensor ``q_offset`` (static
-    caches, whose skip HF refuses under tracing), HF's own answer. One function per original,
-    so Dynamo's guard on the global holds from call to call. None for a signature this does
-    not know."""
-    names = list(inspect.signature(original).parameters)
-    known = {"padding_mask", "kv_length", "q_offset", "local_attention_size"}
-    length = "q_length" if "q_length" in names else "query_length"
-    if not known | {length} <= set(names):
-        return None
-    at = {name: names.index(name) for name in (*known, length)}
-
-    def value(args: tuple, kwargs: dict, name: str) -> Any:
-        return args[at[name]] if len(args) > at[name] else kwargs.get(name)
-
-    def answered(*args: Any, **kwargs: Any) -> bool:
-        q_offset = value(args, kwargs, "q_offset")
-        if value(args, kwargs, "padding_mask") is not None:
-            _say_own_mask()
-            return original(*args, **kwargs)
-        if isinstance(q_offset, torch.Tensor):
-            return original(*args, **kwargs)
-        q_length, kv_length = value(args, kwargs, length), value(args, kwargs, "kv_length")
-        local = value(args, kwargs, "local_attention_size")
-        if local is not None and kv_length >= local:
-            return False
-        return q_length == 1 or kv_length == q_length or q_offset == 0
-
-    return answered
-
-
-@functools.cache
-def _answered_bidirectional_skip(original: Any) -> Any:
-    """HF's ``_ignore_bidirectional_mask_sdpa`` answering, where no padding mask is left, from
-    the shapes alone as it does eagerly (no bias unless a local window is shorter than the
-    keys); with a padding mask, HF's own answer. One function per original, as
-    ``_answered_skip``; None for a signature this does not know."""
-    names = list(inspect.signature(original).parameters)
-    if names != ["padding_mask", "kv_length", "local_attention_size"]:
-        return None
-
-    def answered(padding_mask: Any, kv_length: int, local_attention_size: int | None = None) -> bool:
-        if padding_mask is not None:
-            _say_own_mask()
-            return original(padding_mask, kv_length, local_attention_size)
-        return local_attention_size is None or kv_length < local_attention_size
-
-    return answered
-
-
-@torch._dynamo.assume_constant_result
-def _say_own_mask() -> None:
-    """Said once (Python's warnings keep the first), where a call given no padding reaches
-    HF's skip check with a padding mask: the model made one itself (HF's BioGPT makes an
-    all-ones one), and HF cannot read its values while tracing."""
-    model = _UNPADDED.get()
-    if model:
-        warnings.warn(
-            f"{model} makes a padding mask of its own when its call has none, and HF cannot "
-            "read that mask's values while tracing: every SDPA call compiled gets it as a mask "
-            "(no FlashAttention, no grouped-query attention) even where it holds no padding, "
-            "where the model run eagerly takes the causal fast path. The results are right; "
-            "the fast path needs the model to leave its attention_mask None when given none.",
-            stacklevel=2,
-        )
-
-
-_SKIP_CHECKS = (
-    ("_ignore_causal_mask_sdpa", _answered_skip),
-    ("_ignore_bidirectional_mask_sdpa", _answered_bidirectional_skip),
-)
-"""HF's mask-skip checks and what answers each (NOTE: HF's value-dependent decisions)."""
-
 _SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
@@ -400,7 +334,7 @@ def _dynamo_config(name: str, value: Any) -> Any:
 
 @torch._dynamo.disable
 def _put_back(held: dict, tokens: tuple) -> None:
-    for var, token in zip((_IN_PRELUDE, _UNPADDED), tokens):
+    for var, token in zip((_IN_PRELUDE, UNPADDED), tokens):
         var.reset(token)
     masking = _module("transformers.masking_utils")
     for name, value in held.items():

@@ -1,5 +1,6 @@
 """HF's ``PreTrainedModel`` methods on the sharded class (and PEFT's ``PeftModel``'s):
-``save_pretrained`` writes full tensors or refuses, before any collective.
+``save_pretrained`` writes full tensors or refuses, before any collective; ``generate``
+keeps the ranks in step; ``resize_token_embeddings`` is refused, naming the order that works.
 
 A sharded model's ``state_dict()`` holds this rank's rows of each parameter, as DTensors, which
 safetensors cannot write (under FSDP2 too), and called on rank 0 alone, as with DDP
@@ -16,6 +17,7 @@ from __future__ import annotations
 import inspect
 import sys
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -32,11 +34,40 @@ def hf_methods(base: type) -> dict:
     """The HF methods a sharded subclass of ``base`` overrides: none unless ``base`` is an HF
     model class (or PEFT's), and none of those ``base`` defines itself (a class of the user's
     that gathers the full state dict in its own ``save_pretrained`` keeps it)."""
+    methods = {}
     for module, name in _SAVING_CLASSES:
         owner = getattr(sys.modules.get(module), name, None)
         if owner is not None and issubclass(base, owner) and base.save_pretrained is owner.save_pretrained:
-            return {"save_pretrained": _save_pretrained}
-    return {}
+            methods["save_pretrained"] = _save_pretrained
+            break
+    generating = getattr(sys.modules.get("transformers.generation.utils"), "GenerationMixin", None)
+    if generating is not None and issubclass(base, generating) and base.generate is generating.generate:
+        methods["generate"] = _generate
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if pretrained is not None and issubclass(base, pretrained):
+        if base.resize_token_embeddings is pretrained.resize_token_embeddings:
+            methods["resize_token_embeddings"] = _resize_token_embeddings
+    return methods
+
+
+def _generate(self: nn.Module, *args, **kwargs):
+    """HF's ``generate``, every rank stepping until all are done (``synced_gpus=True``) unless
+    the call says otherwise, as HF does for a model FSDP2 shards: each step's forward gathers
+    the weights from every rank, and a rank whose sequences ended first (an EOS) stopped
+    joining, so the others waited in their gathers until the process group timed out."""
+    generate = type(self)._mfsdp_base.generate
+    bound = inspect.signature(generate).bind(self, *args, **kwargs)
+    if bound.arguments.get("synced_gpus") is None and dist.is_initialized() and dist.get_world_size() > 1:
+        bound.arguments["synced_gpus"] = True
+    return generate(*bound.args, **bound.kwargs)
+
+
+def _resize_token_embeddings(self: nn.Module, *args, **kwargs):
+    raise UsageError(
+        "resize_token_embeddings was called on a sharded model: its embedding (and tied head) "
+        "hold this rank's rows only, and HF's resize would mix them with full tensors. Resize "
+        "first, then shard: model.resize_token_embeddings(n); fsdp_compile.fully_shard(model)."
+    )
 
 
 def _save_pretrained(self: nn.Module, *args, **kwargs):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import tempfile
 import types
@@ -1128,3 +1129,76 @@ def test_hf_habits_train_at_parity(family, padded):
         if "saved" in result:
             assert result["generated"], result
             assert result["saved"] is None or result["saved"] == 0.0, result
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generate_from_a_left_padded_prompt_matches_the_unsharded_model(family):
+    """Greedy ``generate`` from a left-padded batch on the sharded model: HF reads
+    ``inspect.signature(model.forward)`` to decide what to pass, and the prelude's
+    ``(*args, **kwargs)`` made it pass no ``position_ids``: GPT-2 (absolute positions) read
+    its padding's positions and generated other tokens (logits off by 9.8), as FSDP2's model
+    does not. The forward has the class's signature; tokens and logits are the unsharded
+    model's (one gloo rank, uncompiled)."""
+    reference = _build(family).eval()
+    model = copy.deepcopy(reference)
+    prompt = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    prompt[1, :3] = 0
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0
+    asked = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                 return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = reference.generate(prompt, **asked)
+    with one_rank_group():
+        fully_shard(model)
+        assert list(inspect.signature(model.forward).parameters) == list(inspect.signature(reference.forward).parameters)
+        with torch.no_grad():
+            got = model.generate(prompt, **asked)
+    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(got.logits, expected.logits)) < 1e-5
+
+
+@pytest.mark.structure
+def test_resize_token_embeddings_after_sharding_is_refused_with_the_order_that_works():
+    """HF's ``resize_token_embeddings`` on a sharded model failed inside DTensor
+    (``aten._is_all_true.default does not have a sharding strategy``), naming nothing; it is
+    refused before any collective, naming resize-then-shard, which trains (one gloo rank)."""
+    model = _build("llama")
+    with one_rank_group():
+        fully_shard(model)
+        with pytest.raises(ValueError, match=r"resize_token_embeddings.*Resize first, then shard"):
+            model.resize_token_embeddings(VOCAB + 3)
+        resized = _build("llama")
+        resized.resize_token_embeddings(VOCAB + 3)
+        fully_shard(resized)
+        tokens = torch.randint(0, VOCAB + 3, (2, SEQ), generator=torch.Generator().manual_seed(0))
+        resized(input_ids=tokens, labels=tokens).loss.backward()
+        assert resized.model.embed_tokens.weight.grad.full_tensor().shape == (VOCAB + 3, 32)
+
+
+def _generate_until_each_rank_s_end(rank, world):
+    """Each rank its own prompt and an end-of-sequence token that ends rank 0's after one new
+    token, rank 1's later: the tokens of the unsharded model on each rank."""
+    reference = _build("llama").eval()
+    model = copy.deepcopy(reference)
+    fully_shard(model)
+    first = torch.randint(2, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eos = reference.generate(first, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1].item()
+        prompt = first if rank == 0 else torch.randint(2, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+        asked = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        expected = reference.generate(prompt, **asked)
+        got = model.generate(prompt, **asked)
+    return {"new": expected.shape[1] - 5, "equal": torch.equal(got, expected)}
+
+
+@pytest.mark.multirank
+def test_generate_on_ranks_whose_sequences_end_apart_keeps_them_in_step():
+    """``generate`` on two gloo ranks whose sequences end at different lengths: the rank done
+    first stopped joining the weight gathers, and the other waited until the process group
+    timed out. As HF does for a model FSDP2 shards, every rank steps until all are done
+    (``synced_gpus``); each rank's tokens are the unsharded model's."""
+    results = spawn(_generate_until_each_rank_s_end, 2, pg_timeout=60)
+    assert results[0]["new"] == 1 and results[1]["new"] > 1, results
+    assert all(r["equal"] for r in results), results
