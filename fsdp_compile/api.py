@@ -14,14 +14,17 @@ the real parameters as example inputs, so the backend reads the plan's facts fro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._pytree import tree_map_only
 
 from fsdp_compile.compat import checkpoint_rng_states_saved_as_tensors, gather_cpu_tensors_one_work_each
 from fsdp_compile.errors import UsageError
@@ -190,11 +193,7 @@ def fully_shard(
     check_module(module, mesh)
     reshard_after_forward = check_strategy(strategy, reshard_after_forward, mesh)
     install_optimizer_guard()
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
-        raise UsageError(
-            f"mp_policy must be fsdp_compile.MixedPrecision, got {type(mp_policy).__name__}."
-        )
-    mp_policy = mp_policy or MixedPrecision()
+    mp_policy = _mixed_precision(mp_policy)
     marked = expert_modules(module)
     check_tensor_parallel(module, mesh)
     float8_weights = _float8_weights(module, strategy, marked)
@@ -238,9 +237,56 @@ def fully_shard(
     # An HF model decides its attention masks from its inputs' values before Dynamo traces
     # it (NOTE: HF's value-dependent decisions, made before the trace, in hf.py).
     install_prelude(module)
+    _install_casts(module, mp_policy)
     module._mfsdp_unit = unit
     module._mfsdp_reshard_default = reshard_after_forward is None and strategy == "optim_grads_params"
     return module
+
+
+def _mixed_precision(policy: object) -> MixedPrecision:
+    """``mp_policy`` as a ``MixedPrecision``: FSDP2's ``MixedPrecisionPolicy`` has the same
+    fields and meaning."""
+    if policy is None:
+        return MixedPrecision()
+    if isinstance(policy, MixedPrecision):
+        return policy
+    if isinstance(policy, MixedPrecisionPolicy):
+        return MixedPrecision(
+            param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+        )
+    raise UsageError(
+        f"mp_policy must be fsdp_compile.MixedPrecision (or FSDP2's MixedPrecisionPolicy), got "
+        f"{type(policy).__name__}."
+    )
+
+
+def _install_casts(module: nn.Module, mp_policy: MixedPrecision) -> None:
+    """FSDP2's casts at a unit's call, its hooks: the floating tensors ``module`` is called with
+    to ``param_dtype`` (``cast_forward_inputs``), those it returns to ``output_dtype``; those
+    of an earlier call on it come off first."""
+    for handle in module.__dict__.pop("_mfsdp_cast_hooks", ()):
+        handle.remove()
+    hooks = []
+    if mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None:
+        cast = functools.partial(_cast_floating, mp_policy.param_dtype)
+        hooks.append(module.register_forward_pre_hook(functools.partial(_cast_inputs, cast), with_kwargs=True))
+    if mp_policy.output_dtype is not None:
+        cast = functools.partial(_cast_floating, mp_policy.output_dtype)
+        hooks.append(module.register_forward_hook(functools.partial(_cast_output, cast)))
+    module._mfsdp_cast_hooks = tuple(hooks)
+
+
+def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+
+
+def _cast_inputs(cast, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tree_map_only(torch.Tensor, cast, args), tree_map_only(torch.Tensor, cast, kwargs)
+
+
+def _cast_output(cast, module: nn.Module, args: tuple, output):
+    return tree_map_only(torch.Tensor, cast, output)
 
 
 def _dtypes(mp_policy: MixedPrecision, stored: torch.dtype) -> dict:

@@ -27,22 +27,30 @@ __all__ = ["MixedPrecision", "ShardInfo", "shard_info", "is_fully_sharded", "gat
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
-    """Compute and communication dtypes (FSDP2's ``MixedPrecisionPolicy``, same names).
+    """Compute and communication dtypes (FSDP2's ``MixedPrecisionPolicy``, same names and
+    meaning; ``fully_shard`` takes that too).
 
     The stored parameters, the optimizer's view and ``.grad`` keep the parameters' own dtype
     (fp32 main weights). Shards are cast to ``param_dtype`` before the all-gather (the wire
-    carries ``param_dtype``), and gradients are reduced in ``reduce_dtype``.
+    carries ``param_dtype``), and gradients are reduced in ``reduce_dtype``. As under FSDP2,
+    each module ``fully_shard`` is called on casts the floating tensors it is called with to
+    ``param_dtype`` (``cast_forward_inputs``), and what it returns to ``output_dtype``.
     """
 
     param_dtype: torch.dtype | None = None
     """Dtype of gathered parameters and of the compute; None keeps the stored dtype."""
     reduce_dtype: torch.dtype | None = None
     """Dtype of the gradient reduce-scatter; None means ``param_dtype`` (as FSDP2)."""
+    output_dtype: torch.dtype | None = None
+    """Dtype the floating tensors a sharded module returns are cast to; None leaves them."""
+    cast_forward_inputs: bool = True
+    """Whether a sharded module casts the floating tensors it is called with to ``param_dtype``
+    (where that is set)."""
     allow_lower_precision_reduce: bool = False
     """Opt in to ``reduce_dtype`` narrower than ``param_dtype`` (gradients lose precision)."""
 
     def __post_init__(self) -> None:
-        for field_name in ("param_dtype", "reduce_dtype"):
+        for field_name in ("param_dtype", "reduce_dtype", "output_dtype"):
             dtype = getattr(self, field_name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise UsageError(

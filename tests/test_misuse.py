@@ -138,11 +138,9 @@ def test_fsdp2_s_module_methods_work_or_say_what_to_call_instead():
 
 @pytest.mark.structure
 def test_mp_policy_of_the_wrong_type():
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     with fake_process_group(2):
         with pytest.raises(ValueError, match="fsdp_compile.MixedPrecision"):
-            fully_shard(nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            fully_shard(nn.Linear(4, 4), mp_policy={"param_dtype": torch.bfloat16})
 
 
 @pytest.mark.structure

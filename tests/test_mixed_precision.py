@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -410,3 +412,51 @@ def test_moving_a_compiled_model_where_it_is_changes_nothing():
         assert len(backend.graphs) == 1
         for (name, param), want in zip(model.named_parameters(), expected.parameters()):
             assert torch.allclose(param.full_tensor(), want, rtol=1e-5, atol=1e-7), name
+
+
+class _FloatInputs(nn.Module):
+    """Layers called with fp32 tensors (the input, then each scaled by an fp32 tensor): under a
+    bf16 ``param_dtype`` each sharded module's call casts its floating inputs, as FSDP2's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x * torch.full((8,), 1.1))  # fp32 between the calls: each call's input
+        return self.head(x)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fsdp2_mixed_precision_policy_casts_as_under_fsdp2(compiled):
+    """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32)``
+    given as it is, on a model called with fp32 inputs: each sharded module's call casts its
+    floating inputs to bf16 and its output to fp32, as FSDP2 does. Before, the policy
+    was refused, and ``MixedPrecision(param_dtype=bf16)`` failed at the first matmul ("mat1
+    and mat2 must have the same dtype"). Loss and gradients equal FSDP2's (one gloo rank)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    theirs = _FloatInputs()
+    ours = copy.deepcopy(theirs)
+    with one_rank_group():
+        for shard, model in ((fsdp2_fully_shard, theirs), (fully_shard, ours)):
+            for unit in (*model.layers, model.head):
+                shard(unit, mp_policy=policy)
+            shard(model, mp_policy=policy)
+        expected = theirs(x)
+        expected.square().mean().backward()
+        forward = torch.compile(ours, backend=MfsdpBackend(compiler="eager")) if compiled else ours
+        got = forward(x)
+        got.square().mean().backward()
+        grads = {name: (p.grad.full_tensor(), q.grad.full_tensor()) for (name, p), q in zip(ours.named_parameters(), theirs.parameters())}
+    assert got.dtype == torch.float32
+    assert torch.equal(got, expected)
+    for name, (mine, fsdp2) in grads.items():
+        assert torch.equal(mine, fsdp2), name
