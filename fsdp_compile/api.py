@@ -54,6 +54,7 @@ from fsdp_compile.records import (
 from fsdp_compile.outermost_unit import install_outermost_hook
 from fsdp_compile.regions import install_regions
 from fsdp_compile.sharding_checks import (
+    check_fsdp2_options,
     check_module,
     check_strategy,
     check_tensor_parallel,
@@ -155,6 +156,9 @@ def fully_shard(
     mp_policy: MixedPrecision | None = None,
     expert_mesh: DeviceMesh | None = None,
     shard_experts: bool = False,
+    offload_policy: object = None,
+    shard_placement_fn: object = None,
+    ignored_params: object = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` not yet sharded over ``mesh``.
 
@@ -188,8 +192,11 @@ def fully_shard(
     ``expert_mesh`` (``fsdp_compile.expert_mesh``; see fsdp_compile/expert_parallel.py and
     docs/moe.md): each EP rank keeps its experts, not sharded over ``mesh``, and their
     gradients are reduced over the ``edp`` group; ``shard_experts`` also shards them over
-    ``edp`` with ``strategy``. Returns ``module``.
+    ``edp`` with ``strategy``. FSDP2's ``offload_policy``, ``shard_placement_fn`` and
+    ``ignored_params`` are taken where they ask for what this does anyway, else refused
+    (``check_fsdp2_options``). Returns ``module``.
     """
+    check_fsdp2_options(module, offload_policy, shard_placement_fn, ignored_params)
     check_module(module, mesh)
     reshard_after_forward = check_strategy(strategy, reshard_after_forward, mesh)
     install_optimizer_guard()

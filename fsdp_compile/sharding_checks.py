@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_compile.errors import UsageError
 from fsdp_compile.float8 import is_float8_weight
@@ -73,6 +73,36 @@ def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
                 f"parameter {name!r} is a 0-dim scalar and cannot be sharded on dim 0; give it "
                 "shape [1] instead."
             )
+
+
+def check_fsdp2_options(module: nn.Module, offload_policy: object, shard_placement_fn: object, ignored_params: object) -> None:
+    """FSDP2's ``fully_shard`` options fsdp_compile has no counterpart for, refused before any
+    collective unless they ask for what it does anyway: no offload (FSDP2's default
+    ``OffloadPolicy()``), every parameter on dim 0, none left out."""
+    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
+        raise UsageError(
+            f"offload_policy={type(offload_policy).__name__}(...): fsdp_compile does not offload "
+            "to the CPU; parameters, gradients and optimizer state stay on the mesh's device. "
+            "Drop offload_policy; to fit a larger model, shard over more ranks, checkpoint "
+            "activations, or gather in float8 (docs/user_guide.md)."
+        )
+    if shard_placement_fn is not None:
+        other = [
+            f"{name}: {placement}" for name, param in module.named_parameters()
+            if (placement := shard_placement_fn(param)) is not None and placement != Shard(0)
+        ]
+        if other:
+            raise UsageError(
+                f"shard_placement_fn places {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}: "
+                "fsdp_compile shards every parameter on dim 0. Drop shard_placement_fn."
+            )
+    if ignored_params:
+        raise UsageError(
+            "ignored_params: fsdp_compile manages every parameter under the module it is given "
+            "(gathered for each use, its gradient reduced over the mesh). Drop ignored_params; "
+            "a parameter that must not train can be frozen (requires_grad_(False)): it is then "
+            "gathered, never reduced."
+        )
 
 
 def check_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None) -> None:

@@ -361,3 +361,33 @@ def test_a_non_persistent_buffer_a_meta_init_leaves_unfilled_is_refused_with_the
         if api == "train_step":  # Dynamo runs a frame that raised in Python from then on
             forward = _forward_of(model, api)
         torch.testing.assert_close(forward(x), reference(x), rtol=0, atol=0)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("offload_policy", r"offload_policy=CPUOffloadPolicy\(\.\.\.\): fsdp_compile does not offload.*Drop offload_policy"),
+        ("shard_placement_fn", r"shard_placement_fn places weight: S\(1\).*every parameter on dim 0"),
+        ("ignored_params", r"ignored_params: fsdp_compile manages every parameter.*Drop ignored_params"),
+    ],
+)
+def test_fsdp2_options_without_a_counterpart_are_refused_naming_the_fix(option, message):
+    """FSDP2's ``fully_shard`` options a migrating user passes: each asking for what mfsdp does
+    not do is refused, before any collective, naming the fix (before: Python's "unexpected
+    keyword argument"); each asking for what it does anyway is taken."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.tensor import Shard
+
+    layer = nn.Linear(4, 4)
+    refused = {
+        "offload_policy": CPUOffloadPolicy(),
+        "shard_placement_fn": lambda param: Shard(param.ndim - 1),
+        "ignored_params": {layer.weight},
+    }
+    taken = {"offload_policy": OffloadPolicy(), "shard_placement_fn": lambda param: Shard(0), "ignored_params": set()}
+    with fake_process_group(2):
+        with pytest.raises(ValueError, match=message):
+            fully_shard(layer, **{option: refused[option]})
+        fully_shard(layer, **{option: taken[option]})
+    assert isinstance(layer.weight, torch.distributed.tensor.DTensor)
