@@ -42,7 +42,7 @@ def marker_args(info: ShardInfo, stored_dtype: torch.dtype, *, param_id: int | N
     )
 
 
-def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict, *, take_pending: bool = True) -> torch.Tensor:
+def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict) -> torch.Tensor:
     """The ``unshard`` marker on a parameter's local shard: a real collective when run eagerly,
     one graph node when traced. ``constants``: ``marker_args(info, param.dtype)``;
     ``accumulation``: the record's accumulation state (``ShardInfo.accumulation``), which
@@ -51,8 +51,7 @@ def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict, *,
     The sum the micro-batches accumulated without sync (``pending``) goes to the first read
     after sync is turned on that can make a gradient: a read under ``torch.no_grad()`` or
     ``inference_mode`` (an evaluation before the last micro-batch) leaves it, as FSDP2, which
-    adds the sum in backward, keeps it; so does a read that ``take_pending`` says not to take
-    it (NOTE: a block compiled by another backend)."""
+    adds the sum in backward, keeps it."""
     # Read the state's entries only when there are some: each read is a guard, and a pop a
     # side effect Dynamo records, for every parameter of every layer.
     # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
@@ -60,7 +59,7 @@ def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict, *,
     return torch.ops.fsdp_compile.unshard.default(
         local,
         accumulation.get("accumulator") if accumulation else None,
-        _take_pending(accumulation) if accumulation and take_pending and torch.is_grad_enabled() else None,
+        _take_pending(accumulation) if accumulation and torch.is_grad_enabled() else None,
         *constants,
     )
 

@@ -51,11 +51,9 @@ __all__ = ["install_properties", "float8_read", "gather", "in_a_forward", "copie
 #     read gives the marker the id -1 and a repeated block runs its own forward (regions.py),
 #     its flats' members read one by one: the frame reads only what its layers share. (A
 #     function of the user's around mfsdp looks like another backend; mfsdp's planner then
-#     refuses the unnamed reads, naming the fix.) No read there takes a sum accumulated
-#     without sync: a checkpoint recomputing the block's frame would find none taken and
-#     trace a graph that saves other tensors. A flat's member accumulates on its own and its
-#     sum is reduced as sync turns on; any other parameter's is reduced as the model's
-#     forward returns (``reduce_untaken_sums``).
+#     refuses the unnamed reads, naming the fix.) Such a member accumulates on its own, and
+#     its sum is reduced as sync turns on rather than taken by its next read: a checkpoint
+#     recomputing the block's frame would find none taken and trace another graph.
 
 
 @torch._dynamo.assume_constant_result
@@ -80,8 +78,7 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
         # See NOTE: a block compiled by another backend.
         anonymous = -1 if torch.compiler.is_compiling() and not traced_by_mfsdp() else None
         constants = marker_args(info, param.dtype, param_id=anonymous)
-        local = local_rows(param)
-        gathered = float8_read(unshard_marker(local, constants, info.accumulation, take_pending=anonymous is None), info)
+        gathered = float8_read(unshard_marker(local_rows(param), constants, info.accumulation), info)
         return gathered if info.tensor_parallel is None else info.tensor_parallel.read(gathered)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to

@@ -568,27 +568,14 @@ class GatedLayer(torch.nn.Module):
         return h + self.a(h) * gate
 
 
-class TanhLayer(torch.nn.Module):
-    """A layer of another structure than ``GatedLayer``: a block of its own kind."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.w = torch.nn.Linear(dim, dim)
-
-    def forward(self, h):
-        return h + torch.tanh(self.w(h))
-
-
 class GatedStack(torch.nn.Module):
-    """Three ``GatedLayer``s (the last a ``TanhLayer`` when ``one_of_a_kind``), each called
-    through a non-reentrant ``torch.utils.checkpoint`` when ``checkpointed``; with ``fail``
-    set, the forward raises after the second (a micro-batch that fails mid-forward)."""
+    """Three ``GatedLayer``s, each called through a non-reentrant ``torch.utils.checkpoint``
+    when ``checkpointed``; with ``fail`` set, the forward raises after the second (a
+    micro-batch that fails mid-forward)."""
 
-    def __init__(self, checkpointed: bool = False, one_of_a_kind: bool = False) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(GatedLayer(16, frozen=False) for _ in range(3))
-        if one_of_a_kind:
-            self.layers[2] = TanhLayer(16)
         self.checkpointed = checkpointed
         self.fail = False
 

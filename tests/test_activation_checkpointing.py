@@ -80,17 +80,15 @@ def test_a_checkpointed_block_keeps_no_activation_from_forward_to_backward():
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("one_of_a_kind", [False, True], ids=["repeated", "one_of_a_kind"])
-def test_blocks_compiled_one_by_one_inside_a_checkpoint_accumulate_as_eagerly(one_of_a_kind):
+def test_blocks_compiled_one_by_one_inside_a_checkpoint_accumulate_as_eagerly():
     """FSDP2's habit: each block compiled on its own (``layer.compile()``) and called through
     ``torch.utils.checkpoint`` (non-reentrant), two micro-batches, sync off for the first.
     The recompute of a block's frame traced a graph that saved other tensors ("A different
     number of tensors was saved"), because the forward's read had taken the accumulated sum
-    and the recompute's found none: no read there takes it (a repeated block's weights have
-    it reduced as sync turns on, a block of its own kind's as the model's forward returns).
-    Gradients equal the unsharded model's (one gloo rank)."""
+    and the recompute's found none: the sum of a weight read on its own is reduced as sync
+    turns on instead. Gradients equal the unsharded model's (one gloo rank)."""
     torch.manual_seed(0)
-    reference = GatedStack(checkpointed=True, one_of_a_kind=one_of_a_kind)
+    reference = GatedStack(checkpointed=True)
     model = copy.deepcopy(reference)
     with one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-weight gathers are said
