@@ -228,11 +228,18 @@ def local_rows(param: torch.Tensor) -> torch.Tensor:
     None on every torch: on torch 2.11 a micro-batch without sync, whose marker returns none,
     left every weight's ``.grad`` zeros where FSDP2 and the unsharded model leave None (and a
     weight no later micro-batch reached then got AdamW's decay). A traced read keeps
-    ``to_local``, which the backend patches while it traces (``missing_gradients_stay_missing``)."""
+    ``to_local``, which the mfsdp backend patches while it traces
+    (``missing_gradients_stay_missing``); traced for another backend, that backend's
+    AOTAutograd still hands zeros on."""
     # Compiling first: Dynamo would not trace into the cached check.
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or _to_local_keeps_none():
         return param.to_local()
     return _to_local_keeping_none().apply(param, None)
+
+
+# Called from eager code (a frame Dynamo fell back on), the read must run eagerly: compiled as
+# a frame of its own, AOTAutograd's backward of its to_local made the missing gradient zeros.
+torch._dynamo.eval_frame.skip_code(local_rows.__code__)
 
 
 @functools.cache

@@ -601,3 +601,54 @@ def test_an_ema_copy_made_after_fully_shard_is_a_sharded_model_of_its_own(how):
         assert torch.equal(output, want_output)
     for name, param in want.items():
         assert torch.equal(got[name], param), name
+
+
+class _Timer:
+    """A context manager of the user's."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _LoggedLayer(torch.nn.Module):
+    """A layer that prints under a context manager of the user's: a graph break there makes
+    Dynamo run the layer's frame eagerly, its weight reads with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, h):
+        with _Timer():
+            print(end="")
+            return torch.tanh(self.a(h))
+
+
+@pytest.mark.structure
+def test_a_read_in_a_frame_dynamo_falls_back_on_keeps_a_missing_gradient_none():
+    """A micro-batch without sync in a layer Dynamo runs eagerly inside a compiled model: the
+    weight reads there run eagerly, and their ``to_local`` must too. Compiled as a frame of its
+    own, its backward made the marker's missing gradient zeros, so every ``.grad`` was zeros
+    where the unsharded model's is None (and AdamW decayed a weight no later micro-batch
+    reached). The accumulated gradients then match the unsharded model's (one gloo rank)."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(_LoggedLayer())
+    model = copy.deepcopy(reference)
+    h = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    with one_rank_group(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph break is said
+        fully_shard(model)
+        step = torch.compile(model, backend="aot_eager")
+        model.set_requires_gradient_sync(False)
+        step(h[0]).sum().backward()
+        assert [n for n, p in model.named_parameters() if p.grad is not None] == []
+        model.set_requires_gradient_sync(True)
+        step(h[1]).sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    for micro in h:
+        reference(micro).sum().backward()
+    for name, p in reference.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
