@@ -587,6 +587,48 @@ class GatedStack(torch.nn.Module):
         return h
 
 
+def tiny_hf_llama(layers: int):
+    """An HF Llama of ``layers`` layers (hidden 32, grouped-query attention), training, no cache."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, use_cache=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def counting_aot_eager(compiled: list):
+    """A compiler for ``torch.compile``: aot_eager, each graph it gets appended to ``compiled``."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def counting(gm, example_inputs):
+        compiled.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    return counting
+
+
+def train_accumulating(net, batches: torch.Tensor, *, sharded: bool, after_micro=None, after_step=None) -> None:
+    """AdamW steps on an HF causal LM, ``batches[step][micro]`` token ids, each step's
+    micro-batch losses averaged; ``sharded``: gradient sync only for each step's last.
+    ``after_micro(micro, count)`` runs after each backward, ``after_step(step)`` after each
+    optimizer step."""
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for step in batches:
+        for micro, tokens in enumerate(step):
+            if sharded:
+                net.set_requires_gradient_sync(micro == len(step) - 1)
+            net(input_ids=tokens, labels=tokens).loss.div(len(step)).backward()
+            if after_micro is not None:
+                after_micro(micro, len(step))
+        opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(step)
+
+
 def shard_and_compile_each_block(model: torch.nn.Module) -> None:
     """FSDP2's habit on ``model.layers``: ``fully_shard`` each layer, then the model, then
     ``layer.compile()`` each (aot_eager)."""

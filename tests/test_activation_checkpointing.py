@@ -11,7 +11,6 @@ import weakref
 
 import pytest
 import torch
-from torch._dynamo.backends.debugging import aot_eager
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.block_call import BLOCK_FORWARD
@@ -19,8 +18,8 @@ from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives
 from harness import (
-    TOLERANCE, GatedStack, build_model, compile_one_step, fake_process_group, full_parameters, max_param_error,
-    one_rank_group, shard_and_compile_each_block,
+    TOLERANCE, GatedStack, build_model, compile_one_step, counting_aot_eager, fake_process_group, full_parameters,
+    max_param_error, one_rank_group, shard_and_compile_each_block, tiny_hf_llama, train_accumulating,
 )
 
 CHECKPOINTED = TransformerConfig(checkpoint_blocks=True)
@@ -110,20 +109,11 @@ def test_blocks_compiled_one_by_one_under_hf_gradient_checkpointing_train_as_eag
     partitioner put the state where the runtime takes the mesh, and the first forward failed
     ("expected all tensors_saved_with_vc_check to be Tensors"; compat.py). Two steps of two
     micro-batches match the unsharded model, one compile serving every layer (one gloo rank)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, use_cache=False,
-    )
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).train()
+    pytest.importorskip("transformers")
+    reference = tiny_hf_llama(3)
     model = copy.deepcopy(reference)
     compiled = []
-
-    def counting(gm, example_inputs):
-        compiled.append(gm)
-        return aot_eager(gm, example_inputs)
-
+    counting = counting_aot_eager(compiled)  # one compiler object: Dynamo keys its cache on it
     batches = torch.randint(0, 64, (2, 2, 2, 12), generator=torch.Generator().manual_seed(1))
     with one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-weight gathers are said
@@ -133,14 +123,7 @@ def test_blocks_compiled_one_by_one_under_hf_gradient_checkpointing_train_as_eag
         for layer in model.model.layers:
             layer.compile(backend=counting)
         for net in (model, reference):
-            opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-            for step in batches:
-                for micro, tokens in enumerate(step):
-                    if net is model:
-                        model.set_requires_gradient_sync(micro == len(step) - 1)
-                    net(input_ids=tokens, labels=tokens).loss.div(len(step)).backward()
-                opt.step()
-                opt.zero_grad()
+            train_accumulating(net, batches, sharded=net is model)
         expected = {n: p.detach() for n, p in reference.named_parameters()}
         error, name = max_param_error(full_parameters(model), expected)
     assert len(compiled) == 2, len(compiled)  # without sync, with it

@@ -9,12 +9,12 @@ import warnings
 
 import pytest
 import torch
-from torch._dynamo.backends.debugging import aot_eager
 
 from fsdp_compile import MfsdpBackend, fully_shard
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import (
     build_model,
+    counting_aot_eager,
     fake_process_group,
     full_parameters,
     max_param_error,
@@ -24,7 +24,9 @@ from harness import (
     per_rank_reference,
     relative_error,
     spawn,
+    tiny_hf_llama,
     train,
+    train_accumulating,
 )
 
 # (local batch, sequence length) per step: a batch-size change, a length change, both.
@@ -209,19 +211,16 @@ def test_blocks_compiled_one_by_one_compile_once_for_all_the_layers():
     accumulation (a micro-batch without sync reduces nothing) and an evaluation between
     steps, it matches the unsharded model (one gloo rank). That each weight is gathered on its
     own there is said, with ``backend="mfsdp"`` as the fix."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=10, num_attention_heads=4,
-        num_key_value_heads=2, use_cache=False,
-    )
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config)
+    pytest.importorskip("transformers")
+    reference = tiny_hf_llama(10)
     model = copy.deepcopy(reference)
     compiled = []
+    counting = counting_aot_eager(compiled)  # one compiler object: Dynamo keys its cache on it
 
-    def counting(gm, example_inputs):
-        compiled.append(gm)
-        return aot_eager(gm, example_inputs)
+    def sums_wait(micro: int, count: int) -> None:
+        if micro < count - 1:  # the sums wait, unreduced
+            # (a block compiled by another backend hands the accumulator's missing gradient on as zeros)
+            assert not any(p.grad is not None and p.grad.to_local().any() for p in model.parameters())
 
     batches = torch.randint(0, 64, (3, 2, 2, 12), generator=torch.Generator().manual_seed(1))
     with one_rank_group(), warnings.catch_warnings(record=True) as caught:
@@ -232,19 +231,13 @@ def test_blocks_compiled_one_by_one_compile_once_for_all_the_layers():
         for layer in model.model.layers:
             layer.compile(backend=counting)
         for net in (model, reference):
-            opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-            for step in batches:
-                for micro, tokens in enumerate(step):
-                    if net is model:
-                        model.set_requires_gradient_sync(micro == len(step) - 1)
-                    net(input_ids=tokens, labels=tokens).loss.div(len(step)).backward()
-                    if net is model and micro < len(step) - 1:  # the sums wait, unreduced
-                        # (torch 2.11's to_local hands the accumulator's missing gradient on as zeros)
-                        assert not any(p.grad is not None and p.grad.to_local().any() for p in model.parameters())
-                opt.step()
-                opt.zero_grad()
+
+            def evaluate(step, net=net) -> None:
                 with torch.no_grad():
                     net(input_ids=step[0], labels=step[0])
+
+            checked = sums_wait if net is model else None
+            train_accumulating(net, batches, sharded=net is model, after_micro=checked, after_step=evaluate)
         expected = {n: p.detach() for n, p in reference.named_parameters()}
         error, name = max_param_error(full_parameters(model), expected)
     assert len(compiled) == 3, len(compiled)  # with gradients and sync, without sync, without gradients
