@@ -210,7 +210,7 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh(module)
     if mesh.device_type == "cpu":
         gather_cpu_tensors_one_work_each()  # every step's gathers on gloo (compat.py says why)
-        checkpoint_rng_states_saved_as_tensors()  # per-block compiles under checkpoints (ditto)
+    checkpoint_rng_states_saved_as_tensors()  # per-block compiles under checkpoints (ditto)
     unit = unit_name(module)
 
     sharded: dict[int, nn.Parameter] = {}

@@ -65,8 +65,10 @@ def checkpoint_rng_states_saved_as_tensors() -> None:
     and its first forward failed ("expected all tensors_saved_with_vc_check to be Tensors,
     got ... DeviceMesh"). Each state is moved before the saved opaque objects, in the forward's
     outputs and in the backward's inputs alike; a graph torch already orders so is left as it
-    is. Called by ``fully_shard`` on a CPU mesh, the first call patches it: importing the
-    package changes nothing in torch. The patch stays for the process's life."""
+    is (CUDA random ops take torch's graph-safe path, which saves no state, unless Inductor's
+    ``fallback_random`` or ``graphsafe_rng_functionalization=False`` turns it off). The first
+    ``fully_shard`` call patches it: importing the package changes nothing in torch. The patch
+    stays for the process's life."""
     global _RNG_STATES_AS_TENSORS
     from torch._functorch import partitioners
 
