@@ -144,6 +144,9 @@ def reduce_untaken_sums(module: nn.Module) -> None:
         if not param.requires_grad:
             del info.accumulation["pending"]
             continue
+        members = getattr(param, "_mfsdp_members", None)
+        for target in [m.param for m in members if m.param.requires_grad] if members else [param]:
+            _keep_grad_before(target, round_)  # for reset_iter_state, as _reduce_sum keeps it
         local = param.to_local() if isinstance(param, DTensor) else param  # a flat is its local rows
         gathered = unshard_marker(local, marker_args(info, param.dtype), info.accumulation)
         torch.autograd.backward(gathered, torch.zeros_like(gathered))

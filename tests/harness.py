@@ -571,16 +571,22 @@ class GatedLayer(torch.nn.Module):
 class GatedStack(torch.nn.Module):
     """Three ``GatedLayer``s, each called through a non-reentrant ``torch.utils.checkpoint``
     when ``checkpointed``; with ``fail`` set, the forward raises after the second (a
-    micro-batch that fails mid-forward)."""
+    micro-batch that fails mid-forward); with ``last_idle`` set, the last runs under
+    ``torch.no_grad()`` and its output is dropped (its weights get no gradient)."""
 
     def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(GatedLayer(16, frozen=False) for _ in range(3))
         self.checkpointed = checkpointed
         self.fail = False
+        self.last_idle = False
 
     def forward(self, h):
         for at, layer in enumerate(self.layers):
+            if self.last_idle and at == len(self.layers) - 1:
+                with torch.no_grad():
+                    layer(h)
+                break
             h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False) if self.checkpointed else layer(h)
             if self.fail and at == 1:
                 raise RuntimeError("a failing micro-batch")

@@ -652,3 +652,43 @@ def test_a_read_in_a_frame_dynamo_falls_back_on_keeps_a_missing_gradient_none():
         reference(micro).sum().backward()
     for name, p in reference.named_parameters():
         assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
+
+
+@pytest.mark.structure
+def test_reset_iter_state_drops_a_sum_the_last_forward_reduced_for_a_weight_it_left_idle():
+    """The last micro-batch reads the last layer only under ``torch.no_grad()``: its forward's
+    end reduces that layer's sum into ``.grad`` (``reduce_untaken_sums``). When the backward
+    then raises, ``reset_iter_state()`` dropped the rest of the sequence but kept that part,
+    and the restarted sequence counted it twice (off by 7.1 on a weight, found by a reviewer).
+    Every ``.grad`` is as before the sequence (None), and the restarted sequence's gradients
+    are the unsharded model's (one gloo rank, uncompiled)."""
+    torch.manual_seed(0)
+    reference = GatedStack()
+    model = copy.deepcopy(reference)
+    h = torch.randn(4, 2, 8, 16, generator=torch.Generator().manual_seed(1))
+
+    def failing(grad):
+        raise RuntimeError("a failing backward")
+
+    with one_rank_group():
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.set_requires_gradient_sync(False)
+        model(h[0]).sum().backward()
+        model.set_requires_gradient_sync(True)
+        model.last_idle = True
+        loss = model(h[1]).sum()
+        model.last_idle = False
+        loss.register_hook(failing)
+        with pytest.raises(RuntimeError, match="a failing backward"):
+            loss.backward()
+        model.reset_iter_state()
+        assert [n for n, p in model.named_parameters() if p.grad is not None] == []
+        for sync, micro in ((False, h[2]), (True, h[3])):
+            model.set_requires_gradient_sync(sync)
+            model(micro).sum().backward()
+            reference(micro).sum().backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
