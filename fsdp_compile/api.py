@@ -379,7 +379,7 @@ def _swap_in(module: nn.Module, sharded: dict[int, nn.Parameter]) -> None:
         if names or submodule is module:
             # The unit's own module gets the class too, for set_requires_gradient_sync.
             install_properties(submodule, names)
-        elif hf_methods(type(submodule)):  # an HF model inside (model.model): its save_pretrained
+        elif hf_methods(type(submodule)):  # an HF model inside (model.model): its HF methods
             install_properties(submodule, names, fsdp2_methods=False)
 
 

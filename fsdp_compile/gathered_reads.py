@@ -253,8 +253,8 @@ _SHARDED_CLASSES: dict[tuple[type, frozenset[str], frozenset[str], bool], type] 
 
 def install_properties(module: nn.Module, names: set[str], *, fsdp2_methods: bool = True) -> None:
     """Swap ``module``'s class for a subclass whose attributes ``names`` read parameters
-    gathered; with ``fsdp2_methods`` False (an HF model inside, swapped for its
-    ``save_pretrained`` alone) without FSDP2's methods, which would act on its part only."""
+    gathered; with ``fsdp2_methods`` False (an HF model inside, swapped for its HF methods
+    alone: ``hf_methods``) without FSDP2's methods, which would act on its part only."""
     cls = module.__class__
     base = getattr(cls, "_mfsdp_base", cls)
     names = frozenset(getattr(cls, "_mfsdp_names", frozenset()) | names)

@@ -14,7 +14,9 @@ modules already imported.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 import sys
 
 import torch.distributed as dist
@@ -41,8 +43,8 @@ def hf_methods(base: type) -> dict:
             methods["save_pretrained"] = _save_pretrained
             break
     generating = getattr(sys.modules.get("transformers.generation.utils"), "GenerationMixin", None)
-    if generating is not None and issubclass(base, generating) and base.generate is generating.generate:
-        methods["generate"] = _generate
+    if generating is not None and issubclass(base, generating) and _takes_synced_gpus(base.generate):
+        methods["generate"] = _generate_in_step(base.generate)
     pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
     if pretrained is not None and issubclass(base, pretrained):
         if base.resize_token_embeddings is pretrained.resize_token_embeddings:
@@ -50,24 +52,42 @@ def hf_methods(base: type) -> dict:
     return methods
 
 
-def _generate(self: nn.Module, *args, **kwargs):
-    """HF's ``generate``, every rank stepping until all are done (``synced_gpus=True``) unless
-    the call says otherwise, as HF does for a model FSDP2 shards: each step's forward gathers
-    the weights from every rank, and a rank whose sequences ended first (an EOS) stopped
-    joining, so the others waited in their gathers until the process group timed out."""
-    generate = type(self)._mfsdp_base.generate
-    bound = inspect.signature(generate).bind(self, *args, **kwargs)
-    if bound.arguments.get("synced_gpus") is None and dist.is_initialized() and dist.get_world_size() > 1:
-        bound.arguments["synced_gpus"] = True
-    return generate(*bound.args, **bound.kwargs)
+def _takes_synced_gpus(generate) -> bool:
+    parameters = inspect.signature(generate).parameters.values()
+    return any(p.name == "synced_gpus" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
-def _resize_token_embeddings(self: nn.Module, *args, **kwargs):
-    raise UsageError(
-        "resize_token_embeddings was called on a sharded model: its embedding (and tied head) "
-        "hold this rank's rows only, and HF's resize would mix them with full tensors. Resize "
-        "first, then shard: model.resize_token_embeddings(n); fsdp_compile.fully_shard(model)."
-    )
+def _generate_in_step(generate):
+    """``generate`` (HF's, or a class's own that passes its keywords on), every rank stepping
+    until all are done (``synced_gpus=True``) unless the call says otherwise, as HF does for a
+    model FSDP2 shards: each step's forward gathers the weights from every rank, and a rank
+    whose sequences ended first (an EOS) stopped joining, so the others waited in their
+    gathers until the process group timed out. Its signature and docstring are ``generate``'s."""
+
+    @functools.wraps(generate)
+    def generate_in_step(self: nn.Module, *args, **kwargs):
+        given = inspect.signature(generate).bind_partial(self, *args, **kwargs).arguments
+        if kwargs.get("synced_gpus", given.get("synced_gpus")) is None and dist.is_initialized() and dist.get_world_size() > 1:
+            kwargs["synced_gpus"] = True
+        return generate(self, *args, **kwargs)
+
+    return generate_in_step
+
+
+def _resize_token_embeddings(self: nn.Module, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+    """HF's, where it keeps the size; a resize is refused, naming the order that works."""
+    rows = self.get_input_embeddings().weight.shape[0]
+    size = rows if new_num_tokens is None else new_num_tokens
+    if pad_to_multiple_of is not None:
+        size = math.ceil(size / pad_to_multiple_of) * pad_to_multiple_of
+    if size != rows:
+        raise UsageError(
+            f"resize_token_embeddings({new_num_tokens}) was called on a sharded model: its "
+            "embedding (and tied head) hold this rank's rows only, and HF's resize would mix "
+            "them with full tensors. Resize first, then shard: model.resize_token_embeddings(n); "
+            "fsdp_compile.fully_shard(model)."
+        )
+    return type(self)._mfsdp_base.resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of, mean_resizing)
 
 
 def _save_pretrained(self: nn.Module, *args, **kwargs):

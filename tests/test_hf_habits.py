@@ -1137,8 +1137,8 @@ def test_generate_from_a_left_padded_prompt_matches_the_unsharded_model(family):
     """Greedy ``generate`` from a left-padded batch on the sharded model: HF reads
     ``inspect.signature(model.forward)`` to decide what to pass, and the prelude's
     ``(*args, **kwargs)`` made it pass no ``position_ids``: GPT-2 (absolute positions) read
-    its padding's positions and generated other tokens (logits off by 9.8), as FSDP2's model
-    does not. The forward has the class's signature; tokens and logits are the unsharded
+    its padding's positions and generated other tokens, as FSDP2's model does not. The
+    forward and ``generate`` have the class's signatures; tokens and logits are the unsharded
     model's (one gloo rank, uncompiled)."""
     reference = _build(family).eval()
     model = copy.deepcopy(reference)
@@ -1152,7 +1152,9 @@ def test_generate_from_a_left_padded_prompt_matches_the_unsharded_model(family):
         expected = reference.generate(prompt, **asked)
     with one_rank_group():
         fully_shard(model)
-        assert list(inspect.signature(model.forward).parameters) == list(inspect.signature(reference.forward).parameters)
+        for method in ("forward", "generate"):
+            mine, theirs = inspect.signature(getattr(model, method)), inspect.signature(getattr(reference, method))
+            assert list(mine.parameters) == list(theirs.parameters), method
         with torch.no_grad():
             got = model.generate(prompt, **asked)
     assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
@@ -1163,12 +1165,15 @@ def test_generate_from_a_left_padded_prompt_matches_the_unsharded_model(family):
 def test_resize_token_embeddings_after_sharding_is_refused_with_the_order_that_works():
     """HF's ``resize_token_embeddings`` on a sharded model failed inside DTensor
     (``aten._is_all_true.default does not have a sharding strategy``), naming nothing; it is
-    refused before any collective, naming resize-then-shard, which trains (one gloo rank)."""
+    refused before any collective, naming resize-then-shard, which trains. A call that keeps
+    the size is HF's, as before (one gloo rank)."""
     model = _build("llama")
     with one_rank_group():
         fully_shard(model)
-        with pytest.raises(ValueError, match=r"resize_token_embeddings.*Resize first, then shard"):
+        with pytest.raises(ValueError, match=r"resize_token_embeddings\(131\).*Resize first, then shard"):
             model.resize_token_embeddings(VOCAB + 3)
+        for same in ((), (VOCAB,), (VOCAB - 3, 64)):  # the last padded to a multiple of 64
+            assert model.resize_token_embeddings(*same).weight.shape == (VOCAB, 32), same
         resized = _build("llama")
         resized.resize_token_embeddings(VOCAB + 3)
         fully_shard(resized)
@@ -1177,10 +1182,20 @@ def test_resize_token_embeddings_after_sharding_is_refused_with_the_order_that_w
         assert resized.model.embed_tokens.weight.grad.full_tensor().shape == (VOCAB + 3, 32)
 
 
-def _generate_until_each_rank_s_end(rank, world):
+class _OwnGenerate(transformers.LlamaForCausalLM):
+    """A class with a ``generate`` of its own that passes its keywords on (as 31 HF model
+    classes have)."""
+
+    def generate(self, *args, **kwargs):
+        return super().generate(*args, **kwargs)
+
+
+def _generate_until_each_rank_s_end(rank, world, *, own_generate: bool):
     """Each rank its own prompt and an end-of-sequence token that ends rank 0's after one new
     token, rank 1's later: the tokens of the unsharded model on each rank."""
     reference = _build("llama").eval()
+    if own_generate:
+        reference.__class__ = _OwnGenerate
     model = copy.deepcopy(reference)
     fully_shard(model)
     first = torch.randint(2, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
@@ -1194,11 +1209,13 @@ def _generate_until_each_rank_s_end(rank, world):
 
 
 @pytest.mark.multirank
-def test_generate_on_ranks_whose_sequences_end_apart_keeps_them_in_step():
+@pytest.mark.parametrize("own_generate", [False, True], ids=["hf_generate", "own_generate"])
+def test_generate_on_ranks_whose_sequences_end_apart_keeps_them_in_step(own_generate):
     """``generate`` on two gloo ranks whose sequences end at different lengths: the rank done
     first stopped joining the weight gathers, and the other waited until the process group
     timed out. As HF does for a model FSDP2 shards, every rank steps until all are done
-    (``synced_gpus``); each rank's tokens are the unsharded model's."""
-    results = spawn(_generate_until_each_rank_s_end, 2, pg_timeout=60)
+    (``synced_gpus``), through a class's own ``generate`` too; each rank's tokens are the
+    unsharded model's."""
+    results = spawn(_generate_until_each_rank_s_end, 2, pg_timeout=60, own_generate=own_generate)
     assert results[0]["new"] == 1 and results[1]["new"] > 1, results
     assert all(r["equal"] for r in results), results
