@@ -255,21 +255,27 @@ def _run_on_fakes(call: BlockCall, weights: list[Tensor], tensors: list[Tensor],
     flags = [*weights_differentiate, *(call.train and d for d in _differentiable(call, tensors))]
     leaves = [t.detach().requires_grad_(d) for t, d in zip((*inputs, *tensors), flags)]
     count = len(inputs)
-    # The leaves' own: a tensor written in place before the call (``h *= 2``) has a version of
-    # its own, which a leaf detached from a fake tensor does not share.
-    versions = [t._version for t in leaves[count:]]
+    with autograd_inside():
+        # A differentiable input the block writes in place is a leaf's copy, as the block's
+        # caller hands it a non-leaf: the write is then the block's to be refused, not autograd's.
+        given = [leaf.clone() if leaf.requires_grad else leaf for leaf in leaves[count:]]
+        placed = placed_inputs(call, given)
+    # What the body gets, as it is: a tensor written before the call (``h *= 2``) has a version
+    # of its own, and a write to a DTensor raises its wrapper's.
+    versions = [t._version for t in placed]
     side, stand_ins = SideChannel(), stand_ins_of(call.constants)
     try:
-        with autograd_inside() if call.train else torch.no_grad(), autocast_as(call.autocast), transforms_inside(), forward:
+        # Autograd's keys back without training too: their in-place kernel raises the versions.
+        with autograd_inside(), contextlib.nullcontext() if call.train else torch.no_grad(), \
+                autocast_as(call.autocast), transforms_inside(), forward:
             body, graded_leaves = float8_weights(call, leaves[:count], call.train)
-            placed = placed_inputs(call, leaves[count:])
             output = call.body(call.block(), call.layout, call.recipe.key, side, *body, *call.leaves(placed, stand_ins))
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         # See NOTE: a block fake tensors cannot run.
         call.backend().unfakeable.add(call.name)
         _say_unfakeable(type(call.block()).__name__, error.func)
         raise
-    writes_inputs = any(t._version != v for t, v in zip(leaves[count:], versions))
+    writes_inputs = any(t._version != v for t, v in zip(placed, versions))
     side_form, side_tensors = flatten(side, stand_ins)
     own = tensors_of(output)
     returned = [*own, *side_tensors]
