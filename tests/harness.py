@@ -635,6 +635,21 @@ def train_accumulating(net, batches: torch.Tensor, *, sharded: bool, after_micro
             after_step(step)
 
 
+def sync_off_then_on(model, reference, micros) -> dict[str, torch.Tensor]:
+    """The micro-batches ``micros`` on the sharded ``model`` (gradient sync on for the last
+    alone) and on the unsharded ``reference``, each loss a sum: the sharded gradients, full."""
+    for at, micro in enumerate(micros):
+        model.set_requires_gradient_sync(at == len(micros) - 1)
+        model(micro).sum().backward()
+        reference(micro).sum().backward()
+    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+
+
+def assert_gradients_match(grads: dict[str, torch.Tensor], reference) -> None:
+    for name, p in reference.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
+
+
 def shard_and_compile_each_block(model: torch.nn.Module) -> None:
     """FSDP2's habit on ``model.layers``: ``fully_shard`` each layer, then the model, then
     ``layer.compile()`` each (aot_eager)."""

@@ -18,8 +18,9 @@ from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives
 from harness import (
-    TOLERANCE, GatedStack, build_model, compile_one_step, counting_aot_eager, fake_process_group, full_parameters,
-    max_param_error, one_rank_group, shard_and_compile_each_block, tiny_hf_llama, train_accumulating,
+    TOLERANCE, GatedStack, assert_gradients_match, build_model, compile_one_step, counting_aot_eager,
+    fake_process_group, full_parameters, max_param_error, one_rank_group, shard_and_compile_each_block,
+    sync_off_then_on, tiny_hf_llama, train_accumulating,
 )
 
 CHECKPOINTED = TransformerConfig(checkpoint_blocks=True)
@@ -92,13 +93,9 @@ def test_blocks_compiled_one_by_one_inside_a_checkpoint_accumulate_as_eagerly():
     with one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-weight gathers are said
         shard_and_compile_each_block(model)
-        for sync, h in zip((False, True), torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(1))):
-            model.set_requires_gradient_sync(sync)
-            model(h).sum().backward()
-            reference(h).sum().backward()
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    for name, p in reference.named_parameters():
-        assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
+        micros = torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(1))
+        grads = sync_off_then_on(model, reference, micros)
+    assert_gradients_match(grads, reference)
 
 
 @pytest.mark.structure

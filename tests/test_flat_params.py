@@ -21,6 +21,7 @@ from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import (
     SUMMATION_ORDER_EPS,
     GatedStack,
+    assert_gradients_match,
     build_model,
     compile_one_step,
     fake_process_group,
@@ -29,6 +30,7 @@ from harness import (
     relative_error,
     shard_and_compile_each_block,
     spawn,
+    sync_off_then_on,
 )
 
 CFG = TransformerConfig(n_layers=3)
@@ -469,13 +471,8 @@ def test_blocks_compiled_one_by_one_give_up_a_failed_micro_batch_sequence_whole(
         model.reset_iter_state()
         # (torch 2.11's to_local hands a micro-batch's missing gradient on as zeros)
         assert [n for n, p in model.named_parameters() if p.grad is not None and p.grad.to_local().any()] == []
-        for sync, micro in ((False, h[2]), (True, h[3])):
-            model.set_requires_gradient_sync(sync)
-            model(micro).sum().backward()
-            reference(micro).sum().backward()
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    for name, p in reference.named_parameters():
-        assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
+        grads = sync_off_then_on(model, reference, h[2:])
+    assert_gradients_match(grads, reference)
 
 
 @pytest.mark.multirank
@@ -685,10 +682,5 @@ def test_reset_iter_state_drops_a_sum_the_last_forward_reduced_for_a_weight_it_l
             loss.backward()
         model.reset_iter_state()
         assert [n for n, p in model.named_parameters() if p.grad is not None] == []
-        for sync, micro in ((False, h[2]), (True, h[3])):
-            model.set_requires_gradient_sync(sync)
-            model(micro).sum().backward()
-            reference(micro).sum().backward()
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    for name, p in reference.named_parameters():
-        assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
+        grads = sync_off_then_on(model, reference, h[2:])
+    assert_gradients_match(grads, reference)
