@@ -137,7 +137,9 @@ def _signed_as_forward(function: Any, model: nn.Module) -> Any:
     pass, and given ``(*args, **kwargs)`` it passed no ``position_ids`` (a left-padded prompt
     then read the positions of its padding: other tokens than the unsharded model's) and no
     ``logits_to_keep``."""
-    signed = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__, function.__closure__)
+    signed = types.FunctionType(
+        function.__code__, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
     signed.__dict__.update(function.__dict__)  # Dynamo's mark on the prelude among them
     signed.__signature__ = inspect.signature(type(model).forward)
     return signed

@@ -64,10 +64,13 @@ def _generate_in_step(generate):
     whose sequences ended first (an EOS) stopped joining, so the others waited in their
     gathers until the process group timed out. Its signature and docstring are ``generate``'s."""
 
+    signature = inspect.signature(generate)
+
     @functools.wraps(generate)
     def generate_in_step(self: nn.Module, *args, **kwargs):
-        given = inspect.signature(generate).bind_partial(self, *args, **kwargs).arguments
-        if kwargs.get("synced_gpus", given.get("synced_gpus")) is None and dist.is_initialized() and dist.get_world_size() > 1:
+        given = signature.bind_partial(self, *args, **kwargs).arguments
+        unsaid = kwargs.get("synced_gpus", given.get("synced_gpus")) is None
+        if unsaid and dist.is_initialized() and dist.get_world_size() > 1:
             kwargs["synced_gpus"] = True
         return generate(self, *args, **kwargs)
 

@@ -75,7 +75,9 @@ def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
             )
 
 
-def check_fsdp2_options(module: nn.Module, offload_policy: object, shard_placement_fn: object, ignored_params: object) -> None:
+def check_fsdp2_options(
+    module: nn.Module, offload_policy: object, shard_placement_fn: object, ignored_params: object
+) -> None:
     """FSDP2's ``fully_shard`` options fsdp_compile has no counterpart for, refused before any
     collective unless they ask for what it does anyway: no offload (FSDP2's default
     ``OffloadPolicy()``), every parameter on dim 0, none left out."""

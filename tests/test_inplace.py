@@ -353,7 +353,8 @@ def test_a_repeated_block_writing_to_its_input_is_refused_with_a_fix_that_works(
         expected.backward()
     with one_rank_group():
         fully_shard(model)
-        with pytest.raises(Exception, match=r"writes in place to a tensor it was called with.*'regional': False"), grad_mode:
+        refused = r"writes in place to a tensor it was called with.*'regional': False"
+        with pytest.raises(Exception, match=refused), grad_mode:
             torch.compile(model, backend=MfsdpBackend(compiler="eager"))(x)
         with grad_mode:
             loss = torch.compile(model, backend=MfsdpBackend(compiler="eager", regional=False))(x)

@@ -455,7 +455,8 @@ def test_fsdp2_mixed_precision_policy_casts_as_under_fsdp2(compiled):
         forward = torch.compile(ours, backend=MfsdpBackend(compiler="eager")) if compiled else ours
         got = forward(x)
         got.square().mean().backward()
-        grads = {name: (p.grad.full_tensor(), q.grad.full_tensor()) for (name, p), q in zip(ours.named_parameters(), theirs.parameters())}
+        pairs = zip(ours.named_parameters(), theirs.parameters())
+        grads = {name: (p.grad.full_tensor(), q.grad.full_tensor()) for (name, p), q in pairs}
     assert got.dtype == torch.float32
     assert torch.equal(got, expected)
     for name, (mine, fsdp2) in grads.items():
