@@ -78,7 +78,13 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
         # See NOTE: a block compiled by another backend.
         anonymous = -1 if torch.compiler.is_compiling() and not traced_by_mfsdp() else None
         constants = marker_args(info, param.dtype, param_id=anonymous)
-        gathered = float8_read(unshard_marker(local_rows(param), constants, info.accumulation), info)
+        local = local_rows(param)
+        if anonymous is not None and info.accumulation.get("accumulator") is not None:
+            # Its gradient goes to the accumulator alone. Left attached, another backend's
+            # AOTAutograd on torch 2.11 hands the shard the missing gradient as zeros, where
+            # the unsharded model's .grad stays None.
+            local = local.detach()
+        gathered = float8_read(unshard_marker(local, constants, info.accumulation), info)
         return gathered if info.tensor_parallel is None else info.tensor_parallel.read(gathered)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to
