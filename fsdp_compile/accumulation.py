@@ -5,9 +5,10 @@ With sync off, each parameter's read hands its marker an accumulator: a full-sha
 ``.grad`` autograd sums the unreduced gradients into, in ``reduce_dtype`` (ShardInfo's
 ``accumulation`` dict holds it). Sync on again turns that sum into ``pending``, which the next
 read with gradients takes and its backward adds before the one reduction. A flat parameter
-accumulates for its members (NOTE: flat parameters, in flat_params.py); a member read on its
-own (NOTE: a block compiled by another backend, in gathered_reads.py) has an accumulator of
-its own.
+accumulates for its members (NOTE: flat parameters, in flat_params.py). A read traced for
+another backend (NOTE: a block compiled by another backend, in gathered_reads.py) sums into an
+accumulator of its own (``anonymous``) and takes no sum: sync on again reduces the
+parameter's sums at once.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def marker_args(info: ShardInfo, stored_dtype: torch.dtype, *, param_id: int | N
     )
 
 
-def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict) -> torch.Tensor:
+def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict, *, anonymous: bool = False) -> torch.Tensor:
     """The ``unshard`` marker on a parameter's local shard: a real collective when run eagerly,
     one graph node when traced. ``constants``: ``marker_args(info, param.dtype)``;
     ``accumulation``: the record's accumulation state (``ShardInfo.accumulation``), which
@@ -51,15 +52,18 @@ def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict) ->
     The sum the micro-batches accumulated without sync (``pending``) goes to the first read
     after sync is turned on that can make a gradient: a read under ``torch.no_grad()`` or
     ``inference_mode`` (an evaluation before the last micro-batch) leaves it, as FSDP2, which
-    adds the sum in backward, keeps it."""
+    adds the sum in backward, keeps it. An ``anonymous`` read (traced for another backend)
+    sums into the ``anonymous`` accumulator and takes no sum: a non-reentrant checkpoint
+    recomputing its frame would find none left and trace a graph that saves other tensors."""
     # Read the state's entries only when there are some: each read is a guard, and a pop a
     # side effect Dynamo records, for every parameter of every layer.
     # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
     # every parameter of every layer (3% of Dynamo's time on a 32-layer HF Llama, profiled).
+    take = accumulation and not anonymous and torch.is_grad_enabled()
     return torch.ops.fsdp_compile.unshard.default(
         local,
-        accumulation.get("accumulator") if accumulation else None,
-        _take_pending(accumulation) if accumulation and torch.is_grad_enabled() else None,
+        accumulation.get("anonymous" if anonymous else "accumulator") if accumulation else None,
+        _take_pending(accumulation) if take else None,
         *constants,
     )
 
@@ -108,17 +112,18 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
                 _start_sum(param, info)
             continue
         # Whatever the flag says now: an accumulator left behind would take the next gradient.
-        accumulator = state.pop("accumulator", None)
-        if accumulator is not None and accumulator.grad is not None:
-            if hasattr(param, "_mfsdp_flat"):
-                # A member read on its own (NOTE: a block compiled by another backend) is
-                # reduced now: its read taking the sum would make a checkpoint's recompute of
-                # the block's frame, which finds none, trace a graph that saves other tensors.
-                _reduce_sum(param, info, accumulator.grad, (True,), round_)
-                continue
-            state["pending"] = accumulator.grad
-            # Where the forward's hook looks before finding a sum no read took.
-            module.__dict__["_mfsdp_sums_pending"] = True
+        anonymous = state.get("anonymous")
+        total = _sum_so_far(state)
+        if total is None:
+            continue
+        if hasattr(param, "_mfsdp_flat") or (anonymous is not None and anonymous.grad is not None):
+            # Read traced for another backend, which takes no sum (``unshard_marker``): a
+            # flat's member (read on its own only there) or any weight that was, reduced now.
+            _reduce_sum(param, info, total, (True,), round_)
+            continue
+        state["pending"] = total
+        # Where the forward's hook looks before finding a sum no read took.
+        module.__dict__["_mfsdp_sums_pending"] = True
 
 
 def reduce_untaken_sums(module: nn.Module) -> None:
@@ -181,12 +186,22 @@ def settle_changed_sums(module: nn.Module) -> None:
         if now == summed_for:
             continue
         state = info.accumulation
-        accumulator = state.pop("accumulator", None)
-        total = accumulator.grad if accumulator is not None else state.pop("pending", None)
+        summing = "accumulator" in state
+        total = _sum_so_far(state)
         if total is not None:
             _reduce_sum(param, info, total, summed_for, round_)
-        if accumulator is not None and any(now):
+        if summing and any(now):
             _start_sum(param, info)
+
+
+def _sum_so_far(state: dict) -> torch.Tensor | None:
+    """What a parameter's accumulation ``state`` summed without sync (its accumulators'
+    gradients and the ``pending`` sum), removed from it; None if nothing was summed."""
+    accumulators = (state.pop("accumulator", None), state.pop("anonymous", None))
+    summed = [a.grad for a in accumulators if a is not None and a.grad is not None]
+    if (pending := state.pop("pending", None)) is not None:
+        summed.append(pending)
+    return sum(summed[1:], summed[0]) if summed else None
 
 
 def _reduce_sum(
@@ -237,8 +252,10 @@ def _trainable(members) -> tuple[bool, ...]:
 
 
 def _start_sum(param: nn.Parameter, info: ShardInfo) -> None:
-    """A new accumulator for ``param``; a flat records which members it sums for."""
+    """New accumulators for ``param`` (its reads' and, for reads traced for another backend,
+    ``anonymous``); a flat records which members it sums for."""
     info.accumulation["accumulator"] = _accumulator(param, info)
+    info.accumulation["anonymous"] = _accumulator(param, info)
     if members := getattr(param, "_mfsdp_members", None):
         param._mfsdp_summed_for = _trainable(members)
 

@@ -51,9 +51,10 @@ __all__ = ["install_properties", "float8_read", "gather", "in_a_forward", "copie
 #     read gives the marker the id -1 and a repeated block runs its own forward (regions.py),
 #     its flats' members read one by one: the frame reads only what its layers share. (A
 #     function of the user's around mfsdp looks like another backend; mfsdp's planner then
-#     refuses the unnamed reads, naming the fix.) Such a member accumulates on its own, and
-#     its sum is reduced as sync turns on rather than taken by its next read: a checkpoint
-#     recomputing the block's frame would find none taken and trace another graph.
+#     refuses the unnamed reads, naming the fix.) Such a read accumulates without sync into
+#     an accumulator of its own and takes no sum; the weight's sums are reduced as sync turns
+#     on (accumulation.py): a checkpoint recomputing the block's frame would find a sum taken
+#     by the forward's read gone and trace a graph that saves other tensors.
 
 
 @torch._dynamo.assume_constant_result
@@ -79,12 +80,13 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
         anonymous = -1 if torch.compiler.is_compiling() and not traced_by_mfsdp() else None
         constants = marker_args(info, param.dtype, param_id=anonymous)
         local = local_rows(param)
-        if anonymous is not None and info.accumulation.get("accumulator") is not None:
+        if anonymous is not None and info.accumulation.get("anonymous") is not None:
             # Its gradient goes to the accumulator alone. Left attached, another backend's
             # AOTAutograd on torch 2.11 hands the shard the missing gradient as zeros, where
             # the unsharded model's .grad stays None.
             local = local.detach()
-        gathered = float8_read(unshard_marker(local, constants, info.accumulation), info)
+        read = unshard_marker(local, constants, info.accumulation, anonymous=anonymous is not None)
+        gathered = float8_read(read, info)
         return gathered if info.tensor_parallel is None else info.tensor_parallel.read(gathered)
     except AttributeError as error:
         # An AttributeError escaping a property makes Python fall back to

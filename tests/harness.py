@@ -568,15 +568,29 @@ class GatedLayer(torch.nn.Module):
         return h + self.a(h) * gate
 
 
-class GatedStack(torch.nn.Module):
-    """Three ``GatedLayer``s, each called through a non-reentrant ``torch.utils.checkpoint``
-    when ``checkpointed``; with ``fail`` set, the forward raises after the second (a
-    micro-batch that fails mid-forward); with ``last_idle`` set, the last runs under
-    ``torch.no_grad()`` and its output is dropped (its weights get no gradient)."""
+class TanhLayer(torch.nn.Module):
+    """A layer of another structure than ``GatedLayer``'s: beside them, a block of its own kind."""
 
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(dim, dim)
+
+    def forward(self, h):
+        return h + torch.tanh(self.w(h))
+
+
+class GatedStack(torch.nn.Module):
+    """Three ``GatedLayer``s (the last a ``TanhLayer`` when ``one_of_a_kind``), each called
+    through a non-reentrant ``torch.utils.checkpoint`` when ``checkpointed``; with ``fail``
+    set, the forward raises after the second (a micro-batch that fails mid-forward); with
+    ``last_idle`` set, the last runs under ``torch.no_grad()`` and its output is dropped (its
+    weights get no gradient)."""
+
+    def __init__(self, checkpointed: bool = False, one_of_a_kind: bool = False) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(GatedLayer(16, frozen=False) for _ in range(3))
+        if one_of_a_kind:
+            self.layers[2] = TanhLayer(16)
         self.checkpointed = checkpointed
         self.fail = False
         self.last_idle = False
@@ -635,12 +649,13 @@ def train_accumulating(net, batches: torch.Tensor, *, sharded: bool, after_micro
             after_step(step)
 
 
-def sync_off_then_on(model, reference, micros) -> dict[str, torch.Tensor]:
+def sync_off_then_on(model, reference, micros, *, forward=None) -> dict[str, torch.Tensor]:
     """The micro-batches ``micros`` on the sharded ``model`` (gradient sync on for the last
-    alone) and on the unsharded ``reference``, each loss a sum: the sharded gradients, full."""
+    alone), called through ``forward`` if given, and on the unsharded ``reference``, each
+    loss a sum: the sharded gradients, full."""
     for at, micro in enumerate(micros):
         model.set_requires_gradient_sync(at == len(micros) - 1)
-        model(micro).sum().backward()
+        (forward or model)(micro).sum().backward()
         reference(micro).sum().backward()
     return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
 
@@ -650,15 +665,15 @@ def assert_gradients_match(grads: dict[str, torch.Tensor], reference) -> None:
         assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name
 
 
-def shard_and_compile_each_block(model: torch.nn.Module) -> None:
+def shard_and_compile_each_block(model: torch.nn.Module, *, compile_blocks: bool = True) -> None:
     """FSDP2's habit on ``model.layers``: ``fully_shard`` each layer, then the model, then
-    ``layer.compile()`` each (aot_eager)."""
+    ``layer.compile()`` each (aot_eager) if ``compile_blocks``."""
     from fsdp_compile import fully_shard
 
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
-    for layer in model.layers:
+    for layer in model.layers if compile_blocks else ():
         layer.compile(backend="aot_eager")
 
 

@@ -80,21 +80,36 @@ def test_a_checkpointed_block_keeps_no_activation_from_forward_to_backward():
 
 
 @pytest.mark.structure
-def test_blocks_compiled_one_by_one_inside_a_checkpoint_accumulate_as_eagerly():
-    """FSDP2's habit: each block compiled on its own (``layer.compile()``) and called through
-    ``torch.utils.checkpoint`` (non-reentrant), two micro-batches, sync off for the first.
-    The recompute of a block's frame traced a graph that saved other tensors ("A different
-    number of tensors was saved"), because the forward's read had taken the accumulated sum
-    and the recompute's found none: the sum of a weight read on its own is reduced as sync
-    turns on instead. Gradients equal the unsharded model's (one gloo rank)."""
+@pytest.mark.parametrize("one_of_a_kind", [False, True], ids=["repeated", "one_of_a_kind"])
+@pytest.mark.parametrize("compiled", ["each_block", "users_function"])
+def test_blocks_compiled_by_another_backend_inside_a_checkpoint_accumulate_as_eagerly(compiled, one_of_a_kind):
+    """FSDP2's habits: each block compiled on its own (``layer.compile()``), or a function of
+    the user's around the model compiled, with blocks called through ``torch.utils.checkpoint``
+    (non-reentrant), sync off for the first micro-batch. The recompute of a block's frame
+    traced a graph that saved other tensors ("A different number of tensors was saved"):
+    the forward's read had taken the accumulated sum and the recompute's found none. No read
+    traced for another backend takes one now; sync on reduces the sums at once (repeated
+    blocks' and a block of its own kind's). A sequence whose last forward raises is given up
+    by ``reset_iter_state()`` (every ``.grad`` None again); the restarted one's gradients
+    equal the unsharded model's (one gloo rank)."""
     torch.manual_seed(0)
-    reference = GatedStack(checkpointed=True)
+    reference = GatedStack(checkpointed=True, one_of_a_kind=one_of_a_kind)
     model = copy.deepcopy(reference)
+    micros = torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(1))
     with one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-weight gathers are said
-        shard_and_compile_each_block(model)
-        micros = torch.randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(1))
-        grads = sync_off_then_on(model, reference, micros)
+        shard_and_compile_each_block(model, compile_blocks=compiled == "each_block")
+        forward = model if compiled == "each_block" else torch.compile(lambda h: model(h), backend="aot_eager")
+        model.set_requires_gradient_sync(False)
+        forward(micros[0]).sum().backward()
+        model.set_requires_gradient_sync(True)
+        model.fail = True
+        with pytest.raises(RuntimeError, match="a failing micro-batch"):
+            forward(micros[1])
+        model.fail = False
+        model.reset_iter_state()
+        assert all(p.grad is None for p in model.parameters())
+        grads = sync_off_then_on(model, reference, micros, forward=forward)
     assert_gradients_match(grads, reference)
 
 
