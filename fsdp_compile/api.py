@@ -58,6 +58,7 @@ from fsdp_compile.sharding_checks import (
     check_module,
     check_strategy,
     check_tensor_parallel,
+    grouped_modules,
 )
 
 __all__ = ["fully_shard"]
@@ -148,7 +149,7 @@ def _placements(strategy: str, mesh: DeviceMesh) -> list:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     strategy: Strategy = "optim_grads_params",
@@ -194,15 +195,30 @@ def fully_shard(
     gradients are reduced over the ``edp`` group; ``shard_experts`` also shards them over
     ``edp`` with ``strategy``. FSDP2's ``offload_policy``, ``shard_placement_fn`` and
     ``ignored_params`` are taken where they ask for what this does anyway, else refused
-    (``check_fsdp2_options``). Returns ``module``.
+    (``check_fsdp2_options``). A list of modules is one unit, as FSDP2 groups it (torchtitan's
+    ``fully_shard([model.norm, model.output])``): their parameters may share a bucket. Returns
+    ``module``.
     """
-    check_fsdp2_options(module, offload_policy, shard_placement_fn, ignored_params)
-    check_module(module, mesh)
+    modules = grouped_modules(module)
+    for each in modules:  # every module checked before any is sharded
+        check_fsdp2_options(each, offload_policy, shard_placement_fn, ignored_params)
+        check_module(each, mesh)
+        check_tensor_parallel(each, mesh)
     reshard_after_forward = check_strategy(strategy, reshard_after_forward, mesh)
     install_optimizer_guard()
     mp_policy = _mixed_precision(mp_policy)
+    unit = unit_name(*modules)
+    for each in modules:
+        _shard_unit(each, unit, mesh, strategy, reshard_after_forward, mp_policy, expert_mesh, shard_experts)
+    return module
+
+
+def _shard_unit(
+    module: nn.Module, unit: str, mesh: DeviceMesh | None, strategy: Strategy, reshard_after_forward: bool | None,
+    mp_policy: MixedPrecision, expert_mesh: DeviceMesh | None, shard_experts: bool,
+) -> None:
+    """``fully_shard``'s work on one module of the unit ``unit``, its arguments checked."""
     marked = expert_modules(module)
-    check_tensor_parallel(module, mesh)
     float8_weights = _float8_weights(module, strategy, marked)
     if marked:
         dense_ranks = set(mesh.mesh.flatten().tolist()) if mesh is not None else set(range(dist.get_world_size()))
@@ -211,7 +227,6 @@ def fully_shard(
     if mesh.device_type == "cpu":
         gather_cpu_tensors_one_work_each()  # every step's gathers on gloo (compat.py says why)
     checkpoint_rng_states_saved_as_tensors()  # per-block compiles under checkpoints (ditto)
-    unit = unit_name(module)
 
     sharded: dict[int, nn.Parameter] = {}
     blocks = block_paths(module)
@@ -247,7 +262,6 @@ def fully_shard(
     _install_casts(module, mp_policy)
     module._mfsdp_unit = unit
     module._mfsdp_reshard_default = reshard_after_forward is None and strategy == "optim_grads_params"
-    return module
 
 
 def _mixed_precision(policy: object) -> MixedPrecision:

@@ -281,5 +281,6 @@ def next_param_id() -> int:
     return next(_param_ids)
 
 
-def unit_name(module: nn.Module) -> str:
-    return f"{type(module).__name__}#{next(_unit_ids)}"
+def unit_name(*modules: nn.Module) -> str:
+    """A new unit's name: its modules' classes (several: FSDP2's grouping) and a call number."""
+    return f"{'+'.join(type(module).__name__ for module in modules)}#{next(_unit_ids)}"

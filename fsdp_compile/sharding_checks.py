@@ -16,6 +16,21 @@ from fsdp_compile.markers import STRATEGIES
 from fsdp_compile.records import ShardInfo, built_class_name, is_fully_sharded, shard_info
 
 
+def grouped_modules(module: object) -> list[nn.Module]:
+    """The modules one ``fully_shard`` call makes one unit of: ``module``, or of FSDP2's list
+    of modules (``fully_shard([model.norm, model.output])``) those inside no other, as FSDP2
+    takes them."""
+    if isinstance(module, nn.Module):
+        return [module]
+    if not isinstance(module, (list, tuple)) or not module or not all(isinstance(m, nn.Module) for m in module):
+        raise UsageError(
+            f"fully_shard expects an nn.Module or a non-empty list of them (FSDP2's grouping), "
+            f"got {type(module).__name__}."
+        )
+    inside = {id(sub) for m in module for sub in m.modules() if sub is not m}
+    return [m for m in dict.fromkeys(module) if id(m) not in inside]
+
+
 def check_module(module: nn.Module, mesh: DeviceMesh | None) -> None:
     """Every precondition, checked before any collective so no rank is left waiting."""
     if not isinstance(module, nn.Module):

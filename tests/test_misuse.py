@@ -364,6 +364,22 @@ def test_a_non_persistent_buffer_a_meta_init_leaves_unfilled_is_refused_with_the
 
 
 @pytest.mark.structure
+def test_a_group_of_modules_holding_a_mistake_is_refused_before_any_is_sharded():
+    """FSDP2's grouping, ``fully_shard([a, b])``: a list that is empty or holds what is not a
+    module is refused naming what is taken; a group with a module sharded before is refused
+    before the others are sharded, so the model is as it was."""
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    with fake_process_group(2):
+        for group in ([], [first, "second"]):
+            with pytest.raises(ValueError, match="fully_shard expects an nn.Module or a non-empty list of them"):
+                fully_shard(group)
+        fully_shard(second)
+        with pytest.raises(ValueError, match="fully_shard was already called on this Linear"):
+            fully_shard([first, second])
+    assert not isinstance(first.weight, torch.distributed.tensor.DTensor)
+
+
+@pytest.mark.structure
 @pytest.mark.parametrize(
     "option, message",
     [

@@ -53,10 +53,15 @@ def _built(how: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         reference.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
         return reference, model
     model = copy.deepcopy(reference)
-    if how == "offload_wrapper":  # torch's activation offloading, the checkpoint wrapper's sibling
+    if how == "titan_units":  # torchtitan's apply_fsdp: the norm and the output one unit
+        fully_shard(model.tok_embeddings)
+        for layer in model.layers.values():
+            fully_shard(layer)
+        assert fully_shard(grouped := [model.norm, model.output], reshard_after_forward=False) is grouped
+    elif how == "offload_wrapper":  # torch's activation offloading, the checkpoint wrapper's sibling
         for key, layer in model.layers.named_children():
             model.layers.register_module(key, offload_wrapper(layer))
-    elif how != "plain":
+    elif how not in ("plain", "titan_units"):
         for layers in (reference, model):
             checkpoint_layers(layers, selective=how == "selective_checkpoint")
     return reference, fully_shard(model)
@@ -80,12 +85,17 @@ def _train_at_eager_s_results(reference: torch.nn.Module, model: torch.nn.Module
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("how", ["plain", "checkpoint_wrapper", "selective_checkpoint", "offload_wrapper", "meta_init"])
+@pytest.mark.parametrize(
+    "how", ["plain", "titan_units", "checkpoint_wrapper", "selective_checkpoint", "offload_wrapper", "meta_init"]
+)
 def test_layers_in_a_module_dict_are_one_body_called_per_layer_at_eager_s_results(how):
     """Each layer of the ModuleDict is one block call of one body compiled once (its SDPA in
     the body, none in the step), the step one graph with nothing said, and three AdamW steps
     give eager's losses and gradients bit for bit (one gloo rank). Before: no block call, the
-    three layers' ops traced into the step."""
+    three layers' ops traced into the step. Sharded as torchtitan shards it, the norm and the
+    output one unit (``fully_shard([model.norm, model.output], reshard_after_forward=False)``,
+    refused before as not a module), their weights are one bucket, kept from the forward to
+    the backward."""
     with one_rank_group(), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         reference, model = _built(how)
@@ -98,6 +108,11 @@ def test_layers_in_a_module_dict_are_one_body_called_per_layer_at_eager_s_result
     assert step_ops.count(BLOCK_FORWARD) == CFG.n_layers
     assert not [t for t in step_ops if "scaled_dot_product" in str(t)]
     assert [len(bodies) for bodies in backend.bodies.values()] == [1]
+    if how == "titan_units":
+        names = {p.param_id: p.fqn for p in graph.plan.params}
+        (bucket,) = [b for b in graph.plan.buckets if any(names[i] == "norm.weight" for i in b.param_ids)]
+        assert sorted(names[i] for i in bucket.param_ids) == ["norm.weight", "output.weight"]
+        assert not bucket.reshard_after_forward
 
 
 @pytest.mark.structure
