@@ -106,6 +106,10 @@ def build_pipeline(plan: Plan) -> Pipeline:
         ),
         Pass("bucket_collectives", "partitioned", passes.bucket_collectives, passes.check_bucket_collectives),
         Pass("copy_out_flats", "partitioned", passes.copy_out_flats, passes.check_copy_out_flats),
+        Pass(
+            "separate_gradient_outputs", "partitioned", passes.separate_gradient_outputs,
+            passes.check_separate_gradient_outputs,
+        ),
         Pass("schedule_collectives", "partitioned", passes.schedule_collectives, passes.check_schedule_collectives),
         *([Pass("check_cuda_graph", "partitioned", passes.check_cuda_graph, rewrites=False)] if options.cuda_graph else []),
     ]

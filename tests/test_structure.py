@@ -257,3 +257,46 @@ def test_the_eager_runner_frees_each_input_at_its_last_use():
     with fake_process_group(8):
         step = compile_one_step(fully_shard(build_model(cfg)), cfg)
     assert step.compiled["forward"]._boxed_call and step.compiled["backward"]._boxed_call
+
+
+class _TwoBiases(torch.nn.Module):
+    """A Linear's bias and a second bias added to its output: their gradients are computed
+    alike, so the partitioner merges them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.extra_bias = torch.nn.Parameter(torch.zeros(8))
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x) + self.extra_bias))
+
+
+def test_two_gradients_computed_alike_are_two_tensors():
+    """Two parameters whose gradients the partitioner merged got views of one reduced shard
+    as ``.grad``, one tensor: a second backward added each micro-batch to both, and
+    ``clip_grad_norm_`` scaled it twice (the second bias's gradient 3.99e-06 where the
+    unsharded model's is 2.34e-04). Each is now a tensor of its own (the backward clones the
+    later: passes/separate_gradient_outputs.py), and two backwards then clipping give the
+    unsharded model's gradients (one gloo rank, the eager runner)."""
+    from fsdp_compile import MfsdpBackend
+    from harness import one_rank_group
+
+    torch.manual_seed(0)
+    reference = _TwoBiases()
+    model = _TwoBiases()
+    model.load_state_dict(reference.state_dict())
+    inputs = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    with one_rank_group():
+        fully_shard(model)
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager"))
+        for net, forward in ((reference, reference), (model, step)):
+            for x in inputs:
+                forward(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=0.01)
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        storages = {p.grad.to_local().untyped_storage().data_ptr() for p in (model.fc.bias, model.extra_bias)}
+    assert len(storages) == 2
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-8, msg=name)

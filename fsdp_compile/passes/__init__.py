@@ -7,7 +7,7 @@ Order (see ``fsdp_compile.pipeline.build_pipeline``):
                  -> save_block_rng
                  -> (min-cut partition)
   partitioned:   replay_block_rng -> keep_only_differentiated_calls -> bucket_collectives -> copy_out_flats
-                 -> schedule_collectives (forward and backward)
+                 -> separate_gradient_outputs -> schedule_collectives (forward and backward)
                  -> check_cuda_graph (only with options["cuda_graph"])
 """
 
@@ -31,6 +31,7 @@ from fsdp_compile.passes.pack_in_reduce_dtype import check_pack_in_reduce_dtype,
 from fsdp_compile.passes.replay_block_rng import check_replay_block_rng, replay_block_rng
 from fsdp_compile.passes.reshard import check_reshard, reshard, saved_gathered_params
 from fsdp_compile.passes.save_block_rng import check_save_block_rng, save_block_rng
+from fsdp_compile.passes.separate_gradient_outputs import check_separate_gradient_outputs, separate_gradient_outputs
 from fsdp_compile.passes.schedule_collectives import (
     CollectiveGroup,
     GatherLifetime,
@@ -72,6 +73,8 @@ __all__ = [
     "check_bucket_collectives",
     "copy_out_flats",
     "check_copy_out_flats",
+    "separate_gradient_outputs",
+    "check_separate_gradient_outputs",
     "schedule_collectives",
     "check_schedule_collectives",
     "gather_lifetimes",
