@@ -326,17 +326,23 @@ def _hand_out_grads(flat: nn.Parameter) -> None:
     grad, flat.grad = flat.grad, None
     # A member frozen beside trainable ones shares their flat's gradient, not autograd's
     # answer: it keeps its .grad as a frozen leaf does.
-    hand_out(flat, grad, tuple(member.param.requires_grad for member in flat._mfsdp_members))
+    for param in hand_out(flat, grad, tuple(member.param.requires_grad for member in flat._mfsdp_members)):
+        # Autograd ran the flat's hooks, not its members': run theirs, as autograd would
+        # have (and FSDP2 does after its reduce-scatter): an optimizer stepped in backward.
+        for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(param)
 
 
-def hand_out(flat: nn.Parameter, grad: torch.Tensor, receiving: tuple[bool, ...]) -> None:
+def hand_out(flat: nn.Parameter, grad: torch.Tensor, receiving: tuple[bool, ...]) -> list[nn.Parameter]:
     """Add ``grad``, this rank's rows of ``flat``'s reduced gradient, to the ``.grad`` of each
-    member ``receiving`` names that the backwards since the last hand-out gave one."""
+    member ``receiving`` names that the backwards since the last hand-out gave one; returns
+    those members."""
     # An eager backward says for itself; a compiled one as it was traced.
     pending = getattr(flat, "_mfsdp_graded", None)
     graded = pending[0] if pending is not None else getattr(flat, "_mfsdp_graded_compiled", None)
     flat._mfsdp_graded = None
     graded = graded or (True,) * len(flat._mfsdp_members)
+    given = []
     with torch.no_grad():
         for member, has_grad, receives in zip(flat._mfsdp_members, graded, receiving):
             if not has_grad or not receives:
@@ -348,6 +354,8 @@ def hand_out(flat: nn.Parameter, grad: torch.Tensor, receiving: tuple[bool, ...]
                 param.grad = piece
             else:
                 param.grad.add_(piece)
+            given.append(param)
+    return given
 
 
 def check_linked(flat: nn.Parameter) -> None:

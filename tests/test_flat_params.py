@@ -684,3 +684,50 @@ def test_reset_iter_state_drops_a_sum_the_last_forward_reduced_for_a_weight_it_l
         assert [n for n, p in model.named_parameters() if p.grad is not None] == []
         grads = sync_off_then_on(model, reference, h[2:])
     assert_gradients_match(grads, reference)
+
+
+def _stepped_in_backward(model, forward, *, sharded: bool) -> tuple[dict, dict]:
+    """Two steps of the optimizer-in-backward habit: each parameter's own SGD stepped by its
+    ``register_post_accumulate_grad_hook``, its ``.grad`` then dropped. Returns the full
+    parameters and how many times each hook ran."""
+    ran = dict.fromkeys((n for n, p in model.named_parameters() if p.requires_grad), 0)
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+
+        def step(param, name=name, optimizer=optimizer) -> None:
+            ran[name] += 1
+            optimizer.step()
+            param.grad = None
+
+        param.register_post_accumulate_grad_hook(step)
+    for at in range(2):
+        tokens, targets = make_batch(CFG, 2, 8, at)
+        loss_fn(forward(tokens), targets).backward()
+    full = {n: (p.full_tensor() if sharded else p).detach().clone() for n, p in model.named_parameters()}
+    return full, ran
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("mode", ["uncompiled", "mfsdp", "per_block"])
+def test_post_accumulate_grad_hooks_run_for_the_weights_of_repeated_blocks(mode):
+    """Optimizer in backward, as FSDP2 users run it (FSDP2 calls each sharded parameter's
+    post-accumulate-grad hooks after its reduce-scatter): a repeated block's weights get their
+    gradient from their flat's hand-out, which ran no hook of theirs, so their optimizers
+    never stepped (moved 0, against up to 4e-2 unsharded) with nothing said. Each hook now
+    runs once per backward, and the weights equal the unsharded model's (one gloo rank;
+    each block compiled on its own, its weights read one by one, ran them already)."""
+    expected, expected_ran = _stepped_in_backward(reference := build_model(CFG), reference, sharded=False)
+    with one_rank_group(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # per_block: the per-weight gathers are said
+        model = build_model(CFG)
+        if mode == "per_block":
+            shard_and_compile_each_block(model)
+        else:
+            fully_shard(model)
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if mode == "mfsdp" else model
+        got, ran = _stepped_in_backward(model, forward, sharded=True)
+    assert ran == expected_ran, {n: (ran[n], expected_ran[n]) for n in ran if ran[n] != expected_ran[n]}
+    for name, want in expected.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-7, msg=name)
