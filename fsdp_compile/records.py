@@ -251,7 +251,9 @@ def built_class_name(module: nn.Module) -> str:
 
 
 def is_fully_sharded(module: nn.Module) -> bool:
-    return getattr(module, "_mfsdp_unit", None) is not None
+    # Its own attribute: a wrapper passing lookups to the sharded model it holds (PEFT's
+    # PeftModel) is not sharded itself.
+    return vars(module).get("_mfsdp_unit") is not None
 
 
 def is_outermost_unit(module: nn.Module) -> bool:

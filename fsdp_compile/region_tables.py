@@ -134,6 +134,16 @@ def recipe_of(recipe: str) -> tuple:
 
 def _check_params(block: nn.Module) -> None:
     layout: RegionLayout = block._mfsdp_region
+    for path in layout.paths():
+        try:
+            param_at(block, path)
+        except (AttributeError, KeyError):
+            raise CompileUsageError(
+                f"{type(block).__name__}.{path}, sharded by fully_shard, is no longer there: a "
+                "module of the block was replaced after fully_shard (by PEFT's get_peft_model, "
+                "or another wrapper of its layers?). Sharding happens once: change the model "
+                "first (get_peft_model, then fully_shard), as under FSDP2."
+            ) from None
     current = [param_at(block, path) for path in layout.paths()]
     recorded = [m.param for f in block._mfsdp_region_flats.values() for m in f._mfsdp_members]
     recorded += list(block._mfsdp_region_params.values())

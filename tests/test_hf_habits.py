@@ -347,6 +347,25 @@ def test_an_hf_model_inside_a_module_of_yours_takes_the_fast_path(wrapper):
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "compiled"])
+def test_peft_applied_after_sharding_is_refused_with_the_order_that_works(compiled):
+    """``get_peft_model`` after ``fully_shard`` replaces the sharded layers' linears with LoRA
+    wrappers. ``fully_shard`` on the PeftModel was refused as "already called" (it read the
+    sharded model's attribute through PEFT's ``__getattr__``), and the forward failed with
+    ``KeyError: 'weight'`` inside the block's gather. Both now go on to one error naming the
+    missing weight and the order that works (PEFT first, then ``fully_shard``)."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with one_rank_group():
+        model = peft.get_peft_model(fully_shard(_build("llama")), config)
+        fully_shard(model)
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        with pytest.raises(ValueError, match=r"q_proj.weight, sharded by fully_shard, is no longer there.*get_peft_model, then fully_shard"):
+            forward(input_ids=tokens, labels=tokens)
+
+
+@pytest.mark.structure
 def test_a_peft_lora_model_trains_as_eagerly_on_the_fast_path():
     """PEFT's LoRA on HF Llama, with checkpointing enabled after ``get_peft_model`` and HF's
     input hook disabled (the order the warning names): the HF model compiles as a graph of
