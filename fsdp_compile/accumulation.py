@@ -7,8 +7,8 @@ With sync off, each parameter's read hands its marker an accumulator: a full-sha
 read with gradients takes and its backward adds before the one reduction. A flat parameter
 accumulates for its members (NOTE: flat parameters, in flat_params.py). A read traced for
 another backend (NOTE: a block compiled by another backend, in gathered_reads.py) sums into an
-accumulator of its own (``anonymous``) and takes no sum: sync on again reduces the
-parameter's sums at once.
+accumulator of its own (``anonymous``): sync on again reduces the parameter's sums at once,
+so such a read finds no ``pending`` sum unless other reads made it.
 """
 
 from __future__ import annotations
@@ -53,13 +53,15 @@ def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict, *,
     after sync is turned on that can make a gradient: a read under ``torch.no_grad()`` or
     ``inference_mode`` (an evaluation before the last micro-batch) leaves it, as FSDP2, which
     adds the sum in backward, keeps it. An ``anonymous`` read (traced for another backend)
-    sums into the ``anonymous`` accumulator and takes no sum: a non-reentrant checkpoint
-    recomputing its frame would find none left and trace a graph that saves other tensors."""
+    sums into the ``anonymous`` accumulator; it finds a sum only where reads of another kind
+    made it (sync on reduces its own sums at once: a non-reentrant checkpoint recomputing its
+    frame would find the sum its forward took gone, and trace a graph that saves other
+    tensors)."""
     # Read the state's entries only when there are some: each read is a guard, and a pop a
     # side effect Dynamo records, for every parameter of every layer.
     # The op itself, not the custom_op object, whose Python __call__ Dynamo would trace for
     # every parameter of every layer (3% of Dynamo's time on a 32-layer HF Llama, profiled).
-    take = accumulation and not anonymous and torch.is_grad_enabled()
+    take = accumulation and torch.is_grad_enabled()
     return torch.ops.fsdp_compile.unshard.default(
         local,
         accumulation.get("anonymous" if anonymous else "accumulator") if accumulation else None,
@@ -109,7 +111,12 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
             members = getattr(param, "_mfsdp_members", ())
             trainable = any(_trainable(members)) if members else param.requires_grad
             if trainable and "accumulator" not in state:
+                pending = state.pop("pending", None)
                 _start_sum(param, info)
+                # Sync turned on and off again with no forward between (a no_sync context
+                # around each micro-batch): the sum so far goes on summing, not to a read
+                # whose backward, accumulating, would drop it.
+                state["accumulator"].grad = pending
             continue
         # Whatever the flag says now: an accumulator left behind would take the next gradient.
         anonymous = state.get("anonymous")
@@ -238,11 +245,14 @@ def _keep_grad_before(param: nn.Parameter, round_: dict | None) -> None:
 def _round(module: nn.Module, *, opening: bool = False) -> dict | None:
     """The accumulation round ``module`` is in, if any: a dict of its own (its identity names
     the round), from the ``set_requires_gradient_sync(False)`` that began it; ``opening``
-    begins a new one unless one is open. Sync turned on closes it (``open``), its last
+    begins a new one unless one is open, or reopens one closed before any forward ran since
+    (a no_sync context around each micro-batch). Sync turned on closes it (``open``), its last
     micro-batch's forward marks it ``done``, and the forward after that ends it, so a
     ``reset_iter_state()`` after a forward or backward of the round that raised finds it."""
     current = module.__dict__.get("_mfsdp_round")
-    if opening and (current is None or not current["open"]):
+    if opening and current is not None and not current["done"]:
+        current["open"] = True  # sync off again before a forward: the same micro-batch sequence
+    elif opening and (current is None or not current["open"]):
         current = module.__dict__["_mfsdp_round"] = {"open": True, "done": False}
     return current
 

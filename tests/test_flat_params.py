@@ -20,6 +20,7 @@ from fsdp_compile.patterns import count_collectives, is_all_gather, is_unshard, 
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
 from harness import (
     SUMMATION_ORDER_EPS,
+    GatedLayer,
     GatedStack,
     assert_gradients_match,
     build_model,
@@ -731,3 +732,65 @@ def test_post_accumulate_grad_hooks_run_for_the_weights_of_repeated_blocks(mode)
     assert ran == expected_ran, {n: (ran[n], expected_ran[n]) for n in ran if ran[n] != expected_ran[n]}
     for name, want in expected.items():
         torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class _FramedStack(nn.Module):
+    """``GatedLayer``s between two linears of the root's own: flats and weights outside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16, bias=False)
+        self.layers = nn.ModuleList(GatedLayer(16, frozen=False) for _ in range(3))
+        self.head = nn.Linear(16, 16, bias=False)
+        self.fail = False
+        """Raise after the first layer (a micro-batch that fails mid-forward)."""
+
+    def forward(self, h):
+        h = self.proj(h)
+        for layer in self.layers:
+            h = layer(h)
+            if self.fail:
+                raise RuntimeError("a failing micro-batch")
+        return self.head(h)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("mode", ["uncompiled", "mfsdp", "per_block", "users_function"])
+def test_sync_turned_off_and_on_around_each_micro_batch_keeps_every_gradient(mode):
+    """A ``no_sync`` context around each micro-batch but the last (verl's, Lightning's
+    habit): sync off, forward and backward, sync on, then off again for the next. The sum
+    the first micro-batch left was taken by the second's forward, whose backward, summing
+    without sync, dropped it: gradients off by the first micro-batch's (4.1 against 16.1)
+    uncompiled, compiled by mfsdp and per block. Sync off again now goes on summing it, and
+    ``reset_iter_state()`` after such a sequence's failing forward gives it all up (every
+    ``.grad`` None, as FSDP2). Gradients equal the unsharded model's (one gloo rank)."""
+    torch.manual_seed(0)
+    reference = _FramedStack()
+    model = copy.deepcopy(reference)
+    micros = torch.randn(3, 2, 8, 16, generator=torch.Generator().manual_seed(1))
+    with one_rank_group(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # per_block: the per-weight gathers are said
+        shard_and_compile_each_block(model, compile_blocks=mode == "per_block")
+        forward = {
+            "mfsdp": lambda: torch.compile(model, backend=MfsdpBackend(compiler="eager")),
+            "users_function": lambda: torch.compile(lambda h: model(h), backend="aot_eager"),
+        }.get(mode, lambda: model)()
+        for attempt in ("whole", "failing"):
+            for at, micro in enumerate(micros):
+                last = at == len(micros) - 1
+                model.set_requires_gradient_sync(last)
+                if attempt == "failing" and last:
+                    model.fail = True
+                    with pytest.raises(RuntimeError, match="a failing micro-batch"):
+                        forward(micro)
+                    model.reset_iter_state()
+                    break
+                forward(micro).sum().backward()
+                if attempt == "whole":
+                    reference(micro).sum().backward()
+                model.set_requires_gradient_sync(True)  # the context's exit
+            if attempt == "whole":
+                grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+                model.zero_grad()
+    assert_gradients_match(grads, reference)
+    assert all(p.grad is None for p in model.parameters())
