@@ -269,6 +269,8 @@ def check_strategy(
             f"unknown strategy {strategy!r}; fully_shard takes one of {', '.join(STRATEGIES)} "
             "(default optim_grads_params, ZeRO-3)."
         )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        reshard_after_forward = _reshard_to(reshard_after_forward, mesh)
     if reshard_after_forward not in (None, True, False):
         raise UsageError(
             f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}."
@@ -285,6 +287,21 @@ def check_strategy(
             "replicate x shard mesh is for the sharded strategies, HSDP)."
         )
     return reshard_after_forward if strategy == "optim_grads_params" else False
+
+
+def _reshard_to(size: int, mesh: DeviceMesh | None) -> bool:
+    """FSDP2's integer ``reshard_after_forward``, the size of the group a gathered parameter is
+    resharded to after forward: 1 keeps it gathered (False, as FSDP2 takes it), the shard
+    group's size frees it (True); fsdp_compile has no group in between."""
+    shard_world = mesh.size(-1) if mesh is not None else dist.get_world_size() if dist.is_initialized() else None
+    if size == 1 or size == shard_world:
+        return size != 1
+    raise UsageError(
+        f"reshard_after_forward={size}: FSDP2 reshards to groups of {size} ranks after forward; "
+        f"fsdp_compile frees a gathered parameter over its whole shard group "
+        f"(reshard_after_forward=True{f', {shard_world} ranks' if shard_world else ''}) or keeps it "
+        "(False). Pass True or False."
+    )
 
 
 def refuse_meta_parameters(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -364,6 +364,21 @@ def test_a_non_persistent_buffer_a_meta_init_leaves_unfilled_is_refused_with_the
 
 
 @pytest.mark.structure
+def test_fsdp2_s_integer_reshard_after_forward_means_what_it_means_under_fsdp2():
+    """FSDP2's ``reshard_after_forward`` as an int, the group size to reshard to after
+    forward: 1 keeps the gathered parameters (False) and the shard group's size frees them
+    (True), as FSDP2 takes them (before, 1 was taken as True); a size in between, or 0, is
+    refused naming True or False."""
+    with fake_process_group(4):
+        for size, kept in ((1, True), (4, False)):
+            layer = fully_shard(nn.Linear(4, 4), reshard_after_forward=size)
+            assert shard_info(layer.weight).reshard_after_forward is not kept, size
+        for size in (0, 2):
+            with pytest.raises(ValueError, match=f"reshard_after_forward={size}: FSDP2 reshards to groups of {size}.*Pass True or False"):
+                fully_shard(nn.Linear(4, 4), reshard_after_forward=size)
+
+
+@pytest.mark.structure
 def test_a_group_of_modules_holding_a_mistake_is_refused_before_any_is_sharded():
     """FSDP2's grouping, ``fully_shard([a, b])``: a list that is empty or holds what is not a
     module is refused naming what is taken; a group with a module sharded before is refused
