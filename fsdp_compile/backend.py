@@ -33,7 +33,7 @@ from torch.fx.graph import _BoxedCodeGen
 from fsdp_compile.block_call import block_calls_keep_their_buffers, note_traced_grading
 from fsdp_compile.block_record import call_record
 from fsdp_compile.block_runtime import PendingGraphs
-from fsdp_compile.compat import compile_caches_work, missing_gradients_stay_missing
+from fsdp_compile.compat import compile_caches_work, missing_gradients_stay_missing, unused_output_grads_freed_in_backward
 from fsdp_compile.debug import GraphDumper, debug_dir, frame_dumper
 from fsdp_compile.errors import CompileUsageError
 from fsdp_compile.passes.check_graph_breaks import graph_break
@@ -333,7 +333,7 @@ class MfsdpBackend:
                 f"torch.compile passed {' and '.join(sorted(given))} to an MfsdpBackend object, "
                 "which takes them itself: MfsdpBackend(mode=..., **options)."
             )
-        return self._compile(self.graphs, gm, example_inputs)
+        return unused_output_grads_freed_in_backward(self._compile(self.graphs, gm, example_inputs))
 
     def says_first(self, said: tuple[str, str]) -> bool:
         """Whether ``said`` is new to this backend, which keeps it from now on."""

@@ -10,7 +10,7 @@ import contextlib
 import functools
 import inspect
 import operator
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch._inductor import output_code
@@ -282,3 +282,71 @@ def _to_local_keeps_none() -> bool:
         return "set_materialize_grads" in inspect.getsource(_ToTorchTensor.forward)
     except (OSError, TypeError):  # no source at hand: patching is harmless where torch keeps None
         return False
+
+
+def unused_output_grads_freed_in_backward(compiled):
+    """``compiled`` (AOTAutograd's callable for a step graph, not a body's: a step's outputs
+    reach the user, who may leave some without a gradient), its backward freeing the
+    gradient of an output the loss does not read once the graph has read it, as on torch 2.13.
+
+    An output the backward reaches without a gradient (an HF model's ``logits`` beside its
+    ``loss``) gets one of zeros, which AOTAutograd's compiled backward reads as its tangent.
+    torch 2.13 hands the backward its gradients as a list the graph clears
+    (``boxed_grads_call``), so the graph frees them after their last use, the first ops of
+    the backward. torch 2.11 calls it with a tuple the autograd engine materialises the
+    zeros into and holds until the whole backward returns: the logits' size (1 MiB for a
+    vocabulary of 2048 and 256 tokens in bf16) was held over the backward's peak (under
+    activation checkpointing, a block's recompute), 1.07x FSDP2's peak in
+    tests/test_census.py where 2.13 peaks at 1.0x. Each such output is handed out through
+    ``_ZerosWhenUnused`` instead, whose backward gives a missing gradient as a zero
+    expanded to the output's shape (one element): AOTAutograd lays it out as the graph's
+    tangent (``coerce_to_expected_memory_format``), a tensor only the graph's argument list
+    holds. A no-op where the graph's function already takes its gradients boxed, under
+    ``no_grad``, and for outputs AOTAutograd does not return from its function (an input,
+    a view it regenerates)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        outs = compiled(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return outs
+        picked = [i for i, o in enumerate(outs) if _held_by_the_engine(o)]
+        if not picked:
+            return outs
+        unique = list({id(outs[i]): outs[i] for i in picked}.values())
+        handed = dict(zip(map(id, unique), _ZerosWhenUnused.apply(*unique)))
+        replaced = [handed[id(o)] if i in picked else o for i, o in enumerate(outs)]
+        return type(outs)(replaced) if isinstance(outs, tuple) else replaced
+
+    return functools.update_wrapper(run, compiled, assigned=(), updated=("__dict__",))
+
+
+def _held_by_the_engine(out: object) -> bool:
+    """An output of an AOTAutograd function whose backward takes its gradients as a tuple."""
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or out.grad_fn is None:
+        return False
+    cls = getattr(out.grad_fn, "_forward_cls", None)
+    return (
+        cls is not None
+        and hasattr(cls, "compiled_bw")
+        and hasattr(cls, "metadata")
+        and not getattr(cls, "boxed_grads_call", False)
+        and type(out) is torch.Tensor
+    )
+
+
+class _ZerosWhenUnused(torch.autograd.Function):
+    """The identity on its inputs (the same storage, detached); its backward gives a missing
+    gradient as a zero expanded to the input's shape, which allocates one element."""
+
+    @staticmethod
+    def forward(ctx, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in outs]
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            g if g is not None else torch.zeros((), dtype=dtype, device=device).expand(shape)
+            for g, (shape, dtype, device) in zip(grads, ctx.shapes)
+        )

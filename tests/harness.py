@@ -660,6 +660,23 @@ def sync_off_then_on(model, reference, micros, *, forward=None) -> dict[str, tor
     return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
 
 
+def give_up_after_a_failing_forward(model, forward, first, second) -> None:
+    """A micro-batch sequence given up: ``first`` without sync, then ``second`` with sync on,
+    its forward through ``forward`` raising (``model.fail``), then ``reset_iter_state()``.
+    Every ``.grad`` is None after it, as before the sequence."""
+    import pytest
+
+    model.set_requires_gradient_sync(False)
+    forward(first).sum().backward()
+    model.set_requires_gradient_sync(True)
+    model.fail = True
+    with pytest.raises(RuntimeError, match="a failing micro-batch"):
+        forward(second)
+    model.fail = False
+    model.reset_iter_state()
+    assert [name for name, p in model.named_parameters() if p.grad is not None] == []
+
+
 def assert_gradients_match(grads: dict[str, torch.Tensor], reference) -> None:
     for name, p in reference.named_parameters():
         assert torch.allclose(grads[name], p.grad, rtol=1e-6, atol=1e-7), name

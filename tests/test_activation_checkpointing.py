@@ -19,8 +19,8 @@ from fsdp_compile.passes import saved_gathered_params
 from fsdp_compile.patterns import count_collectives
 from harness import (
     TOLERANCE, GatedStack, assert_gradients_match, build_model, compile_one_step, counting_aot_eager,
-    fake_process_group, full_parameters, max_param_error, one_rank_group, shard_and_compile_each_block,
-    sync_off_then_on, tiny_hf_llama, train_accumulating,
+    fake_process_group, full_parameters, give_up_after_a_failing_forward, max_param_error, one_rank_group,
+    shard_and_compile_each_block, sync_off_then_on, tiny_hf_llama, train_accumulating,
 )
 
 CHECKPOINTED = TransformerConfig(checkpoint_blocks=True)
@@ -100,15 +100,7 @@ def test_blocks_compiled_by_another_backend_inside_a_checkpoint_accumulate_as_ea
         warnings.simplefilter("ignore")  # the per-weight gathers are said
         shard_and_compile_each_block(model, compile_blocks=compiled == "each_block")
         forward = model if compiled == "each_block" else torch.compile(lambda h: model(h), backend="aot_eager")
-        model.set_requires_gradient_sync(False)
-        forward(micros[0]).sum().backward()
-        model.set_requires_gradient_sync(True)
-        model.fail = True
-        with pytest.raises(RuntimeError, match="a failing micro-batch"):
-            forward(micros[1])
-        model.fail = False
-        model.reset_iter_state()
-        assert all(p.grad is None for p in model.parameters())
+        give_up_after_a_failing_forward(model, forward, micros[0], micros[1])
         grads = sync_off_then_on(model, reference, micros, forward=forward)
     assert_gradients_match(grads, reference)
 

@@ -164,9 +164,10 @@ def test_a_step_holds_no_more_memory_than_under_fsdp2_with_per_block_compile(fam
     for Llama (NOTE: the planned order). With HF's ``gradient_checkpointing_enable()`` on both,
     checkpointing must save under mfsdp what it saves under FSDP2: the forward's block calls
     kept every activation inside the blocks, 1.34x FSDP2's peak here (docs/design.md,
-    "Activations across a checkpointed block"). They keep none now; the step still peaks at
-    1.03x FSDP2's, a gap not yet explained (not the forward calls' transient saves: running
-    them under no_grad peaks the same), so the bound there is 1.05x."""
+    "Activations across a checkpointed block"). They keep none now. On torch 2.11 the
+    backward also held the logits' zero gradient (the loss reads only the loss) until it
+    returned, over a checkpointed block's recompute, 1.07x FSDP2's peak (compat.py,
+    ``unused_output_grads_freed_in_backward``); now at most FSDP2's on both torches."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
@@ -181,4 +182,4 @@ def test_a_step_holds_no_more_memory_than_under_fsdp2_with_per_block_compile(fam
             layer.compile(backend="aot_eager")
         fsdp2_shard(model, mp_policy=policy)
         theirs = _step_peak(model, model)
-    assert ours <= (1.05 if checkpointing else 1.0) * theirs, (ours / 2**20, theirs / 2**20)
+    assert ours <= theirs, (ours / 2**20, theirs / 2**20)

@@ -27,6 +27,7 @@ from harness import (
     compile_one_step,
     fake_process_group,
     global_batch,
+    give_up_after_a_failing_forward,
     one_rank_group,
     relative_error,
     shard_and_compile_each_block,
@@ -462,16 +463,7 @@ def test_blocks_compiled_one_by_one_give_up_a_failed_micro_batch_sequence_whole(
     with one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-weight gathers are said
         shard_and_compile_each_block(model)
-        model.set_requires_gradient_sync(False)
-        model(h[0]).sum().backward()
-        model.set_requires_gradient_sync(True)
-        model.fail = True
-        with pytest.raises(RuntimeError, match="a failing micro-batch"):
-            model(h[1])
-        model.fail = False
-        model.reset_iter_state()
-        # (torch 2.11's to_local hands a micro-batch's missing gradient on as zeros)
-        assert [n for n, p in model.named_parameters() if p.grad is not None and p.grad.to_local().any()] == []
+        give_up_after_a_failing_forward(model, model, h[0], h[1])
         grads = sync_off_then_on(model, reference, h[2:])
     assert_gradients_match(grads, reference)
 
