@@ -111,12 +111,15 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
             members = getattr(param, "_mfsdp_members", ())
             trainable = any(_trainable(members)) if members else param.requires_grad
             if trainable and "accumulator" not in state:
-                pending = state.pop("pending", None)
+                pending, summed_for = state.pop("pending", None), getattr(param, "_mfsdp_summed_for", None)
                 _start_sum(param, info)
                 # Sync turned on and off again with no forward between (a no_sync context
                 # around each micro-batch): the sum so far goes on summing, not to a read
-                # whose backward, accumulating, would drop it.
+                # whose backward, accumulating, would drop it; still for the members it was
+                # summed for, so a freeze since is settled by the next forward.
                 state["accumulator"].grad = pending
+                if pending is not None and summed_for is not None:
+                    param._mfsdp_summed_for = summed_for
             continue
         # Whatever the flag says now: an accumulator left behind would take the next gradient.
         anonymous = state.get("anonymous")

@@ -747,15 +747,21 @@ class _FramedStack(nn.Module):
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("freeze", [False, True], ids=["", "frozen_between"])
 @pytest.mark.parametrize("mode", ["uncompiled", "mfsdp", "per_block", "users_function"])
-def test_sync_turned_off_and_on_around_each_micro_batch_keeps_every_gradient(mode):
+def test_sync_turned_off_and_on_around_each_micro_batch_keeps_every_gradient(mode, freeze):
     """A ``no_sync`` context around each micro-batch but the last (verl's, Lightning's
     habit): sync off, forward and backward, sync on, then off again for the next. The sum
     the first micro-batch left was taken by the second's forward, whose backward, summing
     without sync, dropped it: gradients off by the first micro-batch's (4.1 against 16.1)
     uncompiled, compiled by mfsdp and per block. Sync off again now goes on summing it, and
     ``reset_iter_state()`` after such a sequence's failing forward gives it all up (every
-    ``.grad`` None, as FSDP2). Gradients equal the unsharded model's (one gloo rank)."""
+    ``.grad`` None, as FSDP2). With a block's weight and a root weight frozen between the
+    first two contexts and unfrozen for the last micro-batch, the block's weight kept the
+    first micro-batch's gradient (a reviewer found it lost: the sum went on summing for the
+    block's weights trainable then). Gradients equal the unsharded model's (one gloo rank)."""
+    if freeze and mode == "users_function":
+        pytest.skip("a freeze between micro-batches inside the user's compiled function is not settled (user guide)")
     torch.manual_seed(0)
     reference = _FramedStack()
     model = copy.deepcopy(reference)
@@ -770,6 +776,10 @@ def test_sync_turned_off_and_on_around_each_micro_batch_keeps_every_gradient(mod
         for attempt in ("whole", "failing"):
             for at, micro in enumerate(micros):
                 last = at == len(micros) - 1
+                frozen = freeze and attempt == "whole" and at == 1  # before the context's entry
+                for net in (model, reference):
+                    net.layers[1].a.weight.requires_grad_(not frozen)
+                    net.proj.weight.requires_grad_(not frozen)
                 model.set_requires_gradient_sync(last)
                 if attempt == "failing" and last:
                     model.fail = True
