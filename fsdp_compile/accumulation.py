@@ -22,7 +22,8 @@ from fsdp_compile.flat_params import forget_graded, hand_out
 from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, is_outermost_unit, shard_info
 
 __all__ = [
-    "marker_args", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums", "settle_changed_sums", "ACCUMULATION_METHODS",
+    "marker_args", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums", "reduce_orphaned_sums",
+    "settle_changed_sums", "ACCUMULATION_METHODS",
 ]
 
 
@@ -159,12 +160,35 @@ def reduce_untaken_sums(module: nn.Module) -> None:
         if not param.requires_grad:
             del info.accumulation["pending"]
             continue
-        members = getattr(param, "_mfsdp_members", None)
-        for target in [m.param for m in members if m.param.requires_grad] if members else [param]:
-            _keep_grad_before(target, round_)  # for reset_iter_state, as _reduce_sum keeps it
-        local = param.to_local() if isinstance(param, DTensor) else param  # a flat is its local rows
-        gathered = unshard_marker(local, marker_args(info, param.dtype), info.accumulation)
-        torch.autograd.backward(gathered, torch.zeros_like(gathered))
+        _reduce_pending(param, info, round_)
+
+
+def reduce_orphaned_sums(params) -> None:
+    """Before an optimizer steps ``params``: each sum accumulated without sync still pending
+    for one of them (or for its flat) reduced into ``.grad`` now, as ``reduce_untaken_sums``
+    does. The forward's end reduces what its reads left unless Dynamo traced the model's
+    hooks (the last micro-batch run inside a function the user compiled), and a block's
+    weights read there one by one leave their flat's sum: the step would miss those
+    micro-batches, and the next accumulation would add them to its own. Every rank steps
+    the same parameters, so runs the same collectives."""
+    holders = dict.fromkeys(getattr(p, "_mfsdp_flat", p) for p in params)
+    for holder in holders:
+        info = shard_info(holder)
+        if info is not None and "pending" in info.accumulation and holder.requires_grad:
+            with torch.enable_grad():
+                _reduce_pending(holder, info, None)
+
+
+def _reduce_pending(param: nn.Parameter, info: ShardInfo, round_: dict | None) -> None:
+    """``param``'s pending sum reduced into ``.grad``: gathered once more and differentiated
+    with a zero gradient, whose backward adds the sum and reduces it (a flat hands its
+    members their rows)."""
+    members = getattr(param, "_mfsdp_members", None)
+    for target in [m.param for m in members if m.param.requires_grad] if members else [param]:
+        _keep_grad_before(target, round_)  # for reset_iter_state, as _reduce_sum keeps it
+    local = param.to_local() if isinstance(param, DTensor) else param  # a flat is its local rows
+    gathered = unshard_marker(local, marker_args(info, param.dtype), info.accumulation)
+    torch.autograd.backward(gathered, torch.zeros_like(gathered))
 
 
 def settle_changed_sums(module: nn.Module) -> None:

@@ -1,4 +1,6 @@
-"""Catch an optimizer built before ``fully_shard``: it would silently train nothing.
+"""Before each optimizer step: catch an optimizer built before ``fully_shard`` (it would
+silently train nothing), and reduce the sums accumulated without sync that no read or
+forward took (``accumulation.reduce_orphaned_sums``).
 
 ``fully_shard`` replaces each parameter with a new sharded one; an optimizer created earlier
 still holds the old tensors, which never receive a gradient again, so ``step()`` skips them
@@ -11,12 +13,18 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fsdp_compile.accumulation import reduce_orphaned_sums
 from fsdp_compile.errors import UsageError
 
 _CHECKED = "_mfsdp_checked"
 
 
-def _check_params(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    _check_params(optimizer)
+    reduce_orphaned_sums([p for group in optimizer.param_groups for p in group["params"]])
+
+
+def _check_params(optimizer: torch.optim.Optimizer) -> None:
     if getattr(optimizer, _CHECKED, False):
         return
     for group in optimizer.param_groups:
@@ -35,5 +43,5 @@ def install() -> None:
     """Register the check once per process (by the first ``fully_shard``: importing the
     package changes nothing outside it)."""
     if not getattr(install, "done", False):
-        register_optimizer_step_pre_hook(_check_params)
+        register_optimizer_step_pre_hook(_before_step)
         install.done = True
