@@ -128,8 +128,9 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         if total is None:
             continue
         if hasattr(param, "_mfsdp_flat") or (anonymous is not None and anonymous.grad is not None):
-            # Read traced for another backend, which takes no sum (``unshard_marker``): a
-            # flat's member (read on its own only there) or any weight that was, reduced now.
+            # Read traced for another backend (``unshard_marker``): a flat's member (read on
+            # its own only there) or any weight that was, reduced now, so a checkpoint's
+            # recompute of the frame finds no sum, as its forward found none.
             _reduce_sum(param, info, total, (True,), round_)
             continue
         state["pending"] = total

@@ -52,9 +52,9 @@ __all__ = ["install_properties", "float8_read", "gather", "in_a_forward", "copie
 #     its flats' members read one by one: the frame reads only what its layers share. (A
 #     function of the user's around mfsdp looks like another backend; mfsdp's planner then
 #     refuses the unnamed reads, naming the fix.) Such a read accumulates without sync into
-#     an accumulator of its own and takes no sum; the weight's sums are reduced as sync turns
-#     on (accumulation.py): a checkpoint recomputing the block's frame would find a sum taken
-#     by the forward's read gone and trace a graph that saves other tensors.
+#     an accumulator of its own, whose sums are reduced as sync turns on (accumulation.py),
+#     so the read finds none to take: a checkpoint recomputing the block's frame would find
+#     a sum its forward's read took gone and trace a graph that saves other tensors.
 
 
 @torch._dynamo.assume_constant_result
