@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fsdp_compile.accumulation import reduce_orphaned_sums
 from fsdp_compile.records import shard_info
 from fsdp_compile.errors import UsageError
 
@@ -62,6 +63,9 @@ def clip_grad_norm_(
     if not (norm_type > 0):
         raise UsageError(f"norm_type must be positive or math.inf, got {norm_type}.")
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    # A sum accumulated without sync that no read took is part of these gradients: the
+    # optimizer's step would reduce it (optim_guard), after the norm.
+    reduce_orphaned_sums(parameters)
     # (mesh, the groups holding different parts) -> parameters; all checked before any collective
     groups: dict[tuple, list[torch.Tensor]] = {}
     for param in parameters:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile.node_meta import BUCKET
-from fsdp_compile import MfsdpBackend, fully_shard, gathered_params
+from fsdp_compile import MfsdpBackend, clip_grad_norm_, fully_shard, gathered_params
 from fsdp_compile.backend import CompiledGraph
 from fsdp_compile.patterns import count_collectives, is_all_gather, is_unshard, is_view
 from fsdp_compile.testing.models import TransformerConfig, loss_fn, make_batch
@@ -807,8 +807,9 @@ def test_an_eager_micro_batch_then_the_user_s_compiled_function_steps_every_grad
     of the first micro-batch waited for a read that never came, and the model's hooks, which
     reduce what reads left, ran traced. The step missed the first micro-batch (4.73 against
     8.15) and the next accumulation added it to its own. The optimizer's step now reduces
-    such a sum first: after two AdamW steps the weights equal the unsharded model's (one
-    gloo rank). What reads ``.grad`` before the step (clipping) still misses it."""
+    such a sum first, and so does ``fsdp_compile.clip_grad_norm_`` before it (its norm
+    missed the sum: torch's clipping still does): after two clipped AdamW steps the weights
+    equal the unsharded model's (one gloo rank)."""
     torch.manual_seed(0)
     reference = _FramedStack()
     model = copy.deepcopy(reference)
@@ -823,6 +824,8 @@ def test_an_eager_micro_batch_then_the_user_s_compiled_function_steps_every_grad
                 model.set_requires_gradient_sync(at == len(step) - 1)
                 (users if at == len(step) - 1 else model)(micro).sum().backward()
                 reference(micro).sum().backward()
+            norms = [clip_grad_norm_(net.parameters(), max_norm=1.0) for net in (model, reference)]
+            torch.testing.assert_close(norms[0], norms[1])
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad()
