@@ -22,7 +22,7 @@ from fsdp_compile.flat_params import forget_graded, hand_out
 from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, is_outermost_unit, shard_info
 
 __all__ = [
-    "marker_args", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums", "reduce_orphaned_sums",
+    "marker_args", "read_state", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums", "reduce_orphaned_sums",
     "settle_changed_sums", "ACCUMULATION_METHODS",
 ]
 
@@ -42,6 +42,15 @@ def marker_args(info: ShardInfo, stored_dtype: torch.dtype, *, param_id: int | N
         info.reduce_dtype,
         info.grad_divisor,
     )
+
+
+def read_state(param: nn.Parameter, info: ShardInfo) -> dict:
+    """The accumulation state a read of ``param`` hands its marker: none for a frozen weight,
+    whose read neither sums nor takes a sum. Its sum so far goes to ``.grad`` when
+    ``settle_changed_sums`` runs: before the next forward, or, where Dynamo traced that
+    forward's hook (the user compiled the model's call), at the next
+    ``set_requires_gradient_sync``, or when sync turns on, or at the optimizer's step."""
+    return info.accumulation if param.requires_grad else {}
 
 
 def unshard_marker(local: torch.Tensor, constants: tuple, accumulation: dict, *, anonymous: bool = False) -> torch.Tensor:
@@ -97,6 +106,9 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         raise UsageError(
             f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}."
         )
+    # A weight frozen or unfrozen since the last forward, whose hook did not settle it if the
+    # user compiled the model's call: settled now, before the round's state changes.
+    settle_changed_sums(module)
     # Where settle_changed_sums and reset_iter_state look.
     round_ = _round(module, opening=not requires_gradient_sync)
     if requires_gradient_sync and round_ is not None:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile.accumulation import ACCUMULATION_METHODS, marker_args, unshard_marker
+from fsdp_compile.accumulation import ACCUMULATION_METHODS, marker_args, read_state, unshard_marker
 from fsdp_compile.backend import compiling_backend
 from fsdp_compile.compat import local_rows
 from fsdp_compile.errors import UsageError
@@ -79,13 +79,15 @@ def gather(param: nn.Parameter, info: ShardInfo) -> torch.Tensor:
         # See NOTE: a block compiled by another backend.
         anonymous = -1 if torch.compiler.is_compiling() and not traced_by_mfsdp() else None
         constants = marker_args(info, param.dtype, param_id=anonymous)
-        local = local_rows(param)
-        if anonymous is not None and info.accumulation.get("anonymous") is not None:
-            # Its gradient goes to the accumulator alone. Left attached, another backend's
-            # AOTAutograd on torch 2.11 hands the shard the missing gradient as zeros, where
-            # the unsharded model's .grad stays None.
+        local, state = local_rows(param), read_state(param, info)
+        if state.get("anonymous" if anonymous is not None else "accumulator") is not None:
+            # Its gradient goes to the accumulator alone. Left attached, autograd would run the
+            # weight's post-accumulate-grad hooks (with .grad None) in a micro-batch without
+            # sync, which FSDP2 does not, and another backend's AOTAutograd on torch 2.11
+            # hands the shard the missing gradient as zeros, where the unsharded model's .grad
+            # stays None.
             local = local.detach()
-        read = unshard_marker(local, constants, info.accumulation, anonymous=anonymous is not None)
+        read = unshard_marker(local, constants, state, anonymous=anonymous is not None)
         gathered = float8_read(read, info)
         return gathered if info.tensor_parallel is None else info.tensor_parallel.read(gathered)
     except AttributeError as error:

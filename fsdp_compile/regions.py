@@ -54,7 +54,7 @@ from fsdp_compile.block_record import BlockCall, FlatCopy, python_flags, registe
 from fsdp_compile.block_runtime import as_dtensors, autocast_state
 from fsdp_compile.compat import local_rows
 from fsdp_compile.flat_params import converted_flat, flat_groups, make_flat
-from fsdp_compile.accumulation import unshard_marker
+from fsdp_compile.accumulation import read_state, unshard_marker
 from fsdp_compile.gathered_reads import copied_module, float8_read, traced_by_mfsdp
 from fsdp_compile.records import next_param_id, shard_info, stack_layers
 from fsdp_compile.region_body import region_body, region_inline, structure
@@ -86,7 +86,7 @@ def _region_forward(self: nn.Module, *args, **kwargs):
     gathered = [unshard_marker(f, c, shard_info(f).accumulation) for f, c in zip(flat_params, flats)]
     if alone:
         params = self._mfsdp_region_params.values()
-        gathered += [unshard_marker(local_rows(p), c, shard_info(p).accumulation) for p, c in zip(params, alone)]
+        gathered += [unshard_marker(local_rows(p), c, read_state(p, shard_info(p))) for p, c in zip(params, alone)]
         if any(float8):  # NOTE: float8 weights in a block call, in block_call.py
             at = len(flats)
             gathered[at:] = [float8_read(g, shard_info(p)) if f else g for g, p, f in zip(gathered[at:], params, float8)]
