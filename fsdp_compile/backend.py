@@ -196,8 +196,12 @@ class CompiledGraph:
         example inputs are the step's real tensors, parameters included: kept past this call
         (the compiled step holds this object until its lazy backward compiles, and Dynamo
         keeps the compiled step in the user's module globals) they would hold a dropped
-        model's memory for the life of the process."""
-        compiled = self._compile_stages(example_inputs)
+        model's memory for the life of the process. The backward compiles here too, not at
+        the first backward: one run inside a function Dynamo traces (a train step calling
+        ``loss.backward()``) has Dynamo's frame callback on, which traced the lazy compile's
+        copy of the graph (its DeviceMesh constant) as a frame of its own, and failed."""
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            compiled = self._compile_stages(example_inputs)
         if self.calls:
             compiled = _with_block_calls(compiled, self.calls)
         return self._dump_frame(compiled) if self._dump_frame else compiled

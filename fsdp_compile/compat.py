@@ -137,6 +137,10 @@ def compile_caches_work() -> Iterator[None]:
       the ``_hash`` it caches included: ``hash()`` of a tuple of strings, salted per process,
       so every process got a different key and never hit. The state pickled here leaves
       that cached value out (``DeviceMesh.__hash__`` computes it again when it is missing).
+      A mesh copied or loaded meanwhile (the backward's graph is copied before Inductor
+      compiles it) computes its ``_hash`` again as it is built: Dynamo's stand-in for a
+      mesh reads that member, and the backward's wrapper that builds the gradients' DTensors
+      runs traced when the backward is called inside a function Dynamo traces.
     - The loaded graph has its opaque constants. A fresh compile builds the module with the
       graph's opaque constants (``get_attr`` of a ``DeviceMesh``, kept in
       ``CompiledFxGraph.torchbind_constants`` and pickled with the cache entry), but a cache
@@ -152,7 +156,7 @@ def compile_caches_work() -> Iterator[None]:
     """
     classes = (output_code.CompiledFxGraphConstants, output_code.CompiledFxGraphConstantsWithGm)
     unwraps = {cls: cls.__dict__["unwrap"] for cls in classes}
-    mesh_getstate = DeviceMesh.__getstate__
+    mesh_getstate, mesh_setstate = DeviceMesh.__getstate__, DeviceMesh.__setstate__
 
     def with_constants(original):
         def unwrap(self, graph):
@@ -165,15 +169,19 @@ def compile_caches_work() -> Iterator[None]:
         state.pop("_hash", None)
         return state
 
+    def setstate_hashed(self, state: dict) -> None:
+        mesh_setstate(self, state)
+        hash(self)
+
     for cls, original in unwraps.items():
         cls.unwrap = with_constants(original)
-    DeviceMesh.__getstate__ = getstate_without_hash
+    DeviceMesh.__getstate__, DeviceMesh.__setstate__ = getstate_without_hash, setstate_hashed
     try:
         yield
     finally:
         for cls, original in unwraps.items():
             cls.unwrap = original
-        DeviceMesh.__getstate__ = mesh_getstate
+        DeviceMesh.__getstate__, DeviceMesh.__setstate__ = mesh_getstate, mesh_setstate
 
 
 def pre_bucket_all_gather_args(ins, world: int, group_name: str, dtype, out_dtype_ints, rank: int, foreach_groups) -> tuple:

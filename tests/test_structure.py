@@ -300,3 +300,41 @@ def test_two_gradients_computed_alike_are_two_tensors():
     assert len(storages) == 2
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_train_step_compiled_whole_may_call_backward_inside(compiler):
+    """``torch.compile(train_step, backend="mfsdp")`` whose ``train_step`` calls
+    ``loss.backward()`` (Dynamo breaks the graph there and runs the backward with its frame
+    callback on): the backward's lazy compile copied the graph, whose DeviceMesh constant
+    Dynamo then traced as a frame of its own ("Opaque object of type DeviceMesh was specified
+    to have member ..."), on every rank at the first backward. Two SGD steps now equal the
+    unsharded model's (one gloo rank)."""
+    import copy
+
+    from fsdp_compile import MfsdpBackend
+    from fsdp_compile.testing.models import loss_fn, make_batch
+    from harness import full_parameters, max_param_error, one_rank_group
+
+    cfg = TransformerConfig(n_layers=3)
+    model = build_model(cfg)
+    reference = copy.deepcopy(model)
+    with one_rank_group():
+        fully_shard(model)
+
+        @torch.compile(backend=MfsdpBackend(compiler=compiler))
+        def train_step(tokens, targets):
+            loss = loss_fn(model(tokens), targets)
+            loss.backward()
+            return loss
+
+        optimizers = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (model, reference)]
+        for at in range(2):
+            tokens, targets = make_batch(cfg, 2, 8, at)
+            train_step(tokens, targets)
+            loss_fn(reference(tokens), targets).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+        error, name = max_param_error(full_parameters(model), {n: p.detach() for n, p in reference.named_parameters()})
+    assert error < 1e-6, (error, name)
