@@ -333,7 +333,10 @@ def _set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *
             "sets the flag for every parameter under the module it is called on. Leave recurse "
             "at True."
         )
-    set_requires_gradient_sync(self, requires_gradient_sync)
+    # On a module of a unit grouped by ``fully_shard([...])``: the whole unit, as FSDP2 sets
+    # its group's flag (sync on for one module alone left the others summing for ever).
+    for module in self.__dict__.get("_mfsdp_unit_modules", (self,)):
+        set_requires_gradient_sync(module, requires_gradient_sync)
 
 
 _set_requires_gradient_sync.__doc__ = set_requires_gradient_sync.__doc__

@@ -210,6 +210,8 @@ def fully_shard(
     unit = unit_name(*modules)
     for each in modules:
         _shard_unit(each, unit, mesh, strategy, reshard_after_forward, mp_policy, expert_mesh, shard_experts)
+        if len(modules) > 1:  # where a method called on one finds them all, as FSDP2's group
+            each.__dict__["_mfsdp_unit_modules"] = tuple(modules)
     return module
 
 

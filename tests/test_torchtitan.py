@@ -162,3 +162,30 @@ def test_checkpoint_wrapper_s_layers_keep_no_more_past_the_forward_than_eagerly(
         compiled, eager = _saved_after_forward(True, True), _saved_after_forward(True, False)
         unwrapped = _saved_after_forward(False, True)
     assert compiled <= eager and compiled < unwrapped / 4, (compiled, eager, unwrapped)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "mfsdp"])
+def test_gradient_sync_set_on_one_module_of_a_unit_sets_it_for_the_unit(compiled):
+    """``fully_shard([model.norm, model.output])`` makes one unit, whose gradient-sync flag
+    FSDP2 keeps for the group: sync turned off on the model, then on for ``norm`` alone,
+    left ``output`` summing without sync for ever (its ``.grad`` None at every step: a helper
+    found it never trained), and off for ``norm`` alone still reduced ``output``'s. Either
+    call now sets it for the unit: both weights get the unsharded model's sum of the two
+    micro-batches (one gloo rank), and neither gets a ``.grad`` while sync is off."""
+    with one_rank_group():
+        reference, model = _built("titan_units")
+        step = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        tokens = torch.randint(0, CFG.vocab, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+        model.norm.set_requires_gradient_sync(False)
+        _loss(step(tokens[0]), tokens[0]).backward()
+        assert model.output.weight.grad is None and model.norm.weight.grad is None
+        model.set_requires_gradient_sync(False)
+        model.norm.set_requires_gradient_sync(True)
+        _loss(step(tokens[1]), tokens[1]).backward()
+        for micro in tokens:
+            _loss(reference(micro), micro).backward()
+        for name in ("norm.weight", "output.weight"):
+            got = model.get_parameter(name).grad
+            assert got is not None, name
+            torch.testing.assert_close(got.full_tensor(), reference.get_parameter(name).grad, msg=name)
