@@ -13,6 +13,9 @@ so such a read finds no ``pending`` sum unless other reads made it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -342,6 +345,21 @@ def _set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *
 _set_requires_gradient_sync.__doc__ = set_requires_gradient_sync.__doc__
 
 
+@contextlib.contextmanager
+def _no_sync(self: nn.Module) -> Iterator[None]:
+    """DDP's (and FSDP1's, Megatron's) context for the micro-batches before the last: gradient
+    sync off inside, back to what it was on exit, so the first backward after it reduces the
+    sum with its own gradient. ``set_requires_gradient_sync(False)`` and ``(True)`` around
+    them, as FSDP2 writes it."""
+    round_ = _round(self)
+    was_off = round_ is not None and round_["open"]
+    _set_requires_gradient_sync(self, False)
+    try:
+        yield
+    finally:
+        _set_requires_gradient_sync(self, not was_off)
+
+
 def _reset_iter_state(self: nn.Module) -> None:
     """FSDP2's recovery after a forward or backward that raised: what the micro-batches
     accumulated without gradient sync since the last reduction is dropped, as FSDP2 drops it
@@ -377,4 +395,5 @@ torch._dynamo.eval_frame.skip_code(unshard_marker.__code__)
 ACCUMULATION_METHODS = {
     "set_requires_gradient_sync": _set_requires_gradient_sync,
     "reset_iter_state": _reset_iter_state,
+    "no_sync": _no_sync,
 }

@@ -822,6 +822,37 @@ def test_sync_turned_off_and_on_around_each_micro_batch_keeps_every_gradient(mod
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "mfsdp"])
+def test_no_sync_context_of_ddp_accumulates_the_micro_batches_inside_it(compiled):
+    """DDP's, FSDP1's and Megatron's ``with model.no_sync():`` around the micro-batches before
+    the last (Accelerate's and users' habit) was an AttributeError naming nothing. Inside it
+    no ``.grad`` appears; the backward after it reduces the sum with its own gradient, the
+    unsharded model's (one gloo rank); entered with sync already off, it leaves sync off."""
+    torch.manual_seed(0)
+    reference = _FramedStack()
+    model = copy.deepcopy(reference)
+    micros = torch.randn(3, 2, 8, 16, generator=torch.Generator().manual_seed(1))
+    with one_rank_group(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shard_and_compile_each_block(model, compile_blocks=False)
+        forward = torch.compile(model, backend=MfsdpBackend(compiler="eager")) if compiled else model
+        for micro in micros[:2]:
+            with model.no_sync():
+                forward(micro).sum().backward()
+            assert all(p.grad is None for p in model.parameters())
+        forward(micros[2]).sum().backward()
+        for micro in micros:
+            reference(micro).sum().backward()
+        assert_gradients_match({name: p.grad.full_tensor() for name, p in model.named_parameters()}, reference)
+        model.set_requires_gradient_sync(False)
+        with model.no_sync():
+            pass
+        model.zero_grad()
+        forward(micros[0]).sum().backward()
+        assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.structure
 @pytest.mark.parametrize("frozen_at", ["0110", "100"])
 @pytest.mark.parametrize("mode", ["uncompiled", "mfsdp", "per_block", "users_function", "users_mfsdp"])
 def test_a_weight_frozen_for_some_micro_batches_of_one_round_gets_the_others_gradients(mode, frozen_at):
