@@ -52,7 +52,8 @@ def read_state(param: nn.Parameter, info: ShardInfo) -> dict:
     whose read neither sums nor takes a sum. Its sum so far goes to ``.grad`` when
     ``settle_changed_sums`` runs: before the next forward, or, where Dynamo traced that
     forward's hook (the user compiled the model's call), at the next
-    ``set_requires_gradient_sync``, or when sync turns on, or at the optimizer's step."""
+    ``set_requires_gradient_sync``; failing that, at ``fsdp_compile.clip_grad_norm_`` or the
+    optimizer's step (``reduce_orphaned_sums``)."""
     return info.accumulation if param.requires_grad else {}
 
 
