@@ -26,7 +26,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map_only
 
-from fsdp_compile.compat import checkpoint_rng_states_saved_as_tensors, gather_cpu_tensors_one_work_each
+from fsdp_compile.compat import (
+    checkpoint_rng_states_saved_as_tensors, device_mesh_copies_run_untraced, gather_cpu_tensors_one_work_each,
+)
 from fsdp_compile.errors import UsageError
 from fsdp_compile.expert_parallel import (
     ExpertParam,
@@ -229,6 +231,7 @@ def _shard_unit(
     if mesh.device_type == "cpu":
         gather_cpu_tensors_one_work_each()  # every step's gathers on gloo (compat.py says why)
     checkpoint_rng_states_saved_as_tensors()  # per-block compiles under checkpoints (ditto)
+    device_mesh_copies_run_untraced()  # a backward inside a function Dynamo traces (ditto)
 
     sharded: dict[int, nn.Parameter] = {}
     blocks = block_paths(module)

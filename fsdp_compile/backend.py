@@ -192,12 +192,12 @@ class CompiledGraph:
         return forward, backward
 
     def compile(self, example_inputs: list) -> Callable:
-        """Run the Dynamo stage, then hand the graph to AOTAutograd and the compiler, backward
-        included: lazily, one called inside a function Dynamo traces (``loss.backward()`` in a
-        train step) had Dynamo trace its graph's copy of a DeviceMesh as a frame, and fail. The
-        example inputs (real tensors) must not outlive this call: a dropped model's memory."""
-        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-            compiled = self._compile_stages(example_inputs)
+        """Run the Dynamo stage, then hand the graph to AOTAutograd and the compiler. The
+        example inputs are the step's real tensors, parameters included: kept past this call
+        (the compiled step holds this object until its lazy backward compiles, and Dynamo
+        keeps the compiled step in the user's module globals) they would hold a dropped
+        model's memory for the life of the process."""
+        compiled = self._compile_stages(example_inputs)
         if self.calls:
             compiled = _with_block_calls(compiled, self.calls)
         return self._dump_frame(compiled) if self._dump_frame else compiled

@@ -53,6 +53,21 @@ def gather_cpu_tensors_one_work_each() -> None:
         _GATHER_ON_CPU.impl("all_gather_into_tensor", _all_gather_into_fresh_tensor, "CPU")
 
 
+def device_mesh_copies_run_untraced() -> None:
+    """``DeviceMesh.__setstate__`` runs as Python whenever Dynamo's frame callback is on, not
+    traced as a frame of its own.
+
+    A backward called inside a function Dynamo traces (``loss.backward()`` in a train step
+    compiled whole: Dynamo breaks the graph there and runs the call with its callback on)
+    compiles a step's backward lazily there, copying its graph, whose constants include the
+    ``DeviceMesh`` each DTensor gradient is built on. The copy's ``__setstate__`` was caught
+    by the callback, and Dynamo, wrapping the half-built mesh, failed on every rank ("Opaque
+    object of type DeviceMesh was specified to have member '_flatten_rank_map', but this
+    doesn't actually exist in the object"). Called by ``fully_shard``: importing the package
+    changes nothing in torch. The mark stays for the process's life."""
+    torch._dynamo.eval_frame.skip_code(DeviceMesh.__setstate__.__code__)
+
+
 def checkpoint_rng_states_saved_as_tensors() -> None:
     """A checkpointed region with a CPU random op compiles with the RNG state it saves for
     its recompute among the saved tensors, where AOTAutograd's runtime looks for it.
@@ -137,10 +152,6 @@ def compile_caches_work() -> Iterator[None]:
       the ``_hash`` it caches included: ``hash()`` of a tuple of strings, salted per process,
       so every process got a different key and never hit. The state pickled here leaves
       that cached value out (``DeviceMesh.__hash__`` computes it again when it is missing).
-      A mesh copied or loaded meanwhile (the backward's graph is copied before Inductor
-      compiles it) computes its ``_hash`` again as it is built: Dynamo's stand-in for a
-      mesh reads that member, and the backward's wrapper that builds the gradients' DTensors
-      runs traced when the backward is called inside a function Dynamo traces.
     - The loaded graph has its opaque constants. A fresh compile builds the module with the
       graph's opaque constants (``get_attr`` of a ``DeviceMesh``, kept in
       ``CompiledFxGraph.torchbind_constants`` and pickled with the cache entry), but a cache
@@ -156,7 +167,7 @@ def compile_caches_work() -> Iterator[None]:
     """
     classes = (output_code.CompiledFxGraphConstants, output_code.CompiledFxGraphConstantsWithGm)
     unwraps = {cls: cls.__dict__["unwrap"] for cls in classes}
-    mesh_getstate, mesh_setstate = DeviceMesh.__getstate__, DeviceMesh.__setstate__
+    mesh_getstate = DeviceMesh.__getstate__
 
     def with_constants(original):
         def unwrap(self, graph):
@@ -169,19 +180,15 @@ def compile_caches_work() -> Iterator[None]:
         state.pop("_hash", None)
         return state
 
-    def setstate_hashed(self, state: dict) -> None:
-        mesh_setstate(self, state)
-        hash(self)
-
     for cls, original in unwraps.items():
         cls.unwrap = with_constants(original)
-    DeviceMesh.__getstate__, DeviceMesh.__setstate__ = getstate_without_hash, setstate_hashed
+    DeviceMesh.__getstate__ = getstate_without_hash
     try:
         yield
     finally:
         for cls, original in unwraps.items():
             cls.unwrap = original
-        DeviceMesh.__getstate__, DeviceMesh.__setstate__ = mesh_getstate, mesh_setstate
+        DeviceMesh.__getstate__ = mesh_getstate
 
 
 def pre_bucket_all_gather_args(ins, world: int, group_name: str, dtype, out_dtype_ints, rank: int, foreach_groups) -> tuple:
