@@ -180,20 +180,29 @@ def reduce_untaken_sums(module: nn.Module) -> None:
         _reduce_pending(param, info, round_)
 
 
+@torch._dynamo.disable
 def reduce_orphaned_sums(params) -> None:
     """Before an optimizer steps ``params``: each sum accumulated without sync still pending
     for one of them (or for its flat) reduced into ``.grad`` now, as ``reduce_untaken_sums``
     does. The forward's end reduces what its reads left unless Dynamo traced the model's
     hooks (the last micro-batch run inside a function the user compiled), and a block's
     weights read there one by one leave their flat's sum: the step would miss those
-    micro-batches, and the next accumulation would add them to its own. Every rank steps
-    the same parameters, so runs the same collectives."""
+    micro-batches, and the next accumulation would add them to its own. A weight frozen
+    since sync turned on (its read took nothing, its hook ran traced) keeps the sum in
+    ``.grad``, as the unsharded model keeps the gradients from before a freeze. Every rank
+    steps the same parameters, so runs the same collectives. Run, not traced, by Dynamo
+    (a step compiled whole calls it from the optimizer's hook): it is side effects only."""
     holders = dict.fromkeys(getattr(p, "_mfsdp_flat", p) for p in params)
     for holder in holders:
         info = shard_info(holder)
-        if info is not None and "pending" in info.accumulation and holder.requires_grad:
+        if info is None or "pending" not in info.accumulation:
+            continue
+        if holder.requires_grad:
             with torch.enable_grad():
                 _reduce_pending(holder, info, None)
+        else:
+            summed_for = getattr(holder, "_mfsdp_summed_for", (True,))
+            _reduce_sum(holder, info, info.accumulation.pop("pending"), summed_for, None)
 
 
 def _reduce_pending(param: nn.Parameter, info: ShardInfo, round_: dict | None) -> None:
@@ -329,6 +338,9 @@ def _accumulator(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     return one.expand(info.global_shape).requires_grad_(True)
 
 
+# Called inside a function Dynamo traces (a step compiled whole), it runs as Python: it changes
+# the state the reads guard on, and traced, its helpers recompiled per parameter shape.
+@torch._dynamo.disable
 def _set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
     if recurse is not True:
         # FSDP2's recurse=False sets it for the unit's own parameters, not its inner units'.

@@ -62,9 +62,19 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
 def _after_forward(module: nn.Module, args: tuple, output) -> None:
     """Reduce the sums accumulated without sync that this forward's reads left, each weight
     gathered again (``reduce_untaken_sums``); not under ``no_grad`` (an evaluation leaves them
-    to the last micro-batch), nor inside a function Dynamo traces."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    to the last micro-batch). Traced, inside a function of the user's, only where sync turned
+    on left sums (a guard of the frame): there Dynamo breaks the graph and runs it after the
+    forward's reads have taken theirs. Left to the optimizer's step, torch's clipping took
+    its norm without them."""
+    if not torch.is_grad_enabled():
+        return
+    if not torch.compiler.is_compiling():
         reduce_untaken_sums(module)
+    elif module.__dict__.get("_mfsdp_sums_pending", False):
+        _reduce_untaken_sums_untraced(module)
+
+
+_reduce_untaken_sums_untraced = torch._dynamo.disable(reduce_untaken_sums)
 
 
 def _follow_members(blocks: tuple[nn.Module, ...]) -> None:
