@@ -771,6 +771,18 @@ def test_post_accumulate_grad_hooks_wait_for_the_micro_batch_that_syncs():
     assert_gradients_match({name: p.grad.full_tensor() for name, p in model.named_parameters()}, reference)
 
 
+def _sharded_in_mode(model: nn.Module, mode: str):
+    """``model``'s layers and root sharded, and how ``mode`` calls it: ``uncompiled``,
+    ``mfsdp``, ``per_block`` (each layer compiled by another backend), or inside a function
+    of the user's compiled by another backend (``users_function``) or by mfsdp."""
+    shard_and_compile_each_block(model, compile_blocks=mode == "per_block")
+    return {
+        "mfsdp": lambda: torch.compile(model, backend=MfsdpBackend(compiler="eager")),
+        "users_function": lambda: torch.compile(lambda h: model(h), backend="aot_eager"),
+        "users_mfsdp": lambda: torch.compile(lambda h: model(h), backend=MfsdpBackend(compiler="eager")),
+    }.get(mode, lambda: model)()
+
+
 @pytest.mark.structure
 @pytest.mark.parametrize("freeze", [False, True], ids=["", "frozen_between"])
 @pytest.mark.parametrize("mode", ["uncompiled", "mfsdp", "per_block", "users_function"])
@@ -791,11 +803,7 @@ def test_sync_turned_off_and_on_around_each_micro_batch_keeps_every_gradient(mod
     micros = torch.randn(3, 2, 8, 16, generator=torch.Generator().manual_seed(1))
     with one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # per_block: the per-weight gathers are said
-        shard_and_compile_each_block(model, compile_blocks=mode == "per_block")
-        forward = {
-            "mfsdp": lambda: torch.compile(model, backend=MfsdpBackend(compiler="eager")),
-            "users_function": lambda: torch.compile(lambda h: model(h), backend="aot_eager"),
-        }.get(mode, lambda: model)()
+        forward = _sharded_in_mode(model, mode)
         for attempt in ("whole", "failing"):
             for at, micro in enumerate(micros):
                 last = at == len(micros) - 1
@@ -869,12 +877,7 @@ def test_a_weight_frozen_for_some_micro_batches_of_one_round_gets_the_others_gra
     micros = torch.randn(len(frozen_at), 2, 8, 16, generator=torch.Generator().manual_seed(1))
     with one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # per_block: the per-weight gathers are said
-        shard_and_compile_each_block(model, compile_blocks=mode == "per_block")
-        forward = {
-            "mfsdp": lambda: torch.compile(model, backend=MfsdpBackend(compiler="eager")),
-            "users_function": lambda: torch.compile(lambda h: model(h), backend="aot_eager"),
-            "users_mfsdp": lambda: torch.compile(lambda h: model(h), backend=MfsdpBackend(compiler="eager")),
-        }.get(mode, lambda: model)()
+        forward = _sharded_in_mode(model, mode)
         for at, micro in enumerate(micros):
             for net in (model, reference):
                 net.layers[1].a.weight.requires_grad_(frozen_at[at] == "0")
