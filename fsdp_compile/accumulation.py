@@ -25,8 +25,8 @@ from fsdp_compile.flat_params import forget_graded, hand_out
 from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, is_outermost_unit, shard_info
 
 __all__ = [
-    "marker_args", "read_state", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums", "reduce_orphaned_sums",
-    "settle_changed_sums", "ACCUMULATION_METHODS",
+    "marker_args", "read_state", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums",
+    "reduce_orphaned_sums", "settle_changed_sums", "ACCUMULATION_METHODS",
 ]
 
 
@@ -104,7 +104,8 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     its own gradient, once (a forward under ``no_grad`` leaves the sum: ``unshard_marker``;
     one whose reads leave some reduces them as it returns: ``reduce_untaken_sums``). Applies
     to every sharded parameter under ``module``; also a method of modules ``fully_shard``
-    returned (``model.set_requires_gradient_sync(False)``).
+    returned (``model.set_requires_gradient_sync(False)``). A weight frozen or unfrozen since
+    the last forward has its sum settled first (``settle_changed_sums``).
     """
     if not isinstance(requires_gradient_sync, bool):
         raise UsageError(
@@ -218,12 +219,13 @@ def _reduce_pending(param: nn.Parameter, info: ShardInfo, round_: dict | None) -
 
 
 def settle_changed_sums(module: nn.Module) -> None:
-    """Before a forward (run eagerly: outermost_unit.py): each sum the micro-batches
-    accumulated without sync for a weight frozen or unfrozen since (``requires_grad_``)
-    reduced into the ``.grad`` of the weights it was summed for, as the unsharded model
-    keeps the gradients each weight had before its freeze, and gives one unfrozen since
-    only the later ones. A flat sums for its members together, so when one changes the
-    sum so far is reduced now (one collective, on every rank, which change the same
+    """Before a forward (run eagerly: outermost_unit.py) and at each
+    ``set_requires_gradient_sync`` (eager where that hook runs traced): each sum the
+    micro-batches accumulated without sync for a weight frozen or unfrozen since
+    (``requires_grad_``) reduced into the ``.grad`` of the weights it was summed for, as the
+    unsharded model keeps the gradients each weight had before its freeze, and gives one
+    unfrozen since only the later ones. A flat sums for its members together, so when one
+    changes the sum so far is reduced now (one collective, on every rank, which change the same
     weights) and a new sum starts for those trainable now. Not inside a function Dynamo
     traces, nor under ``inference_mode`` (the next forward settles then). Looked for during
     an accumulation round begun by ``set_requires_gradient_sync(False)`` on ``module`` (on the
@@ -364,7 +366,7 @@ def _no_sync(self: nn.Module) -> Iterator[None]:
     sync off inside, back to what it was on exit, so the first backward after it reduces the
     sum with its own gradient. ``set_requires_gradient_sync(False)`` and ``(True)`` around
     them, as FSDP2 writes it."""
-    round_ = _round(self)
+    round_ = _round(self)  # a grouped unit's modules share the flag: self's says for all
     was_off = round_ is not None and round_["open"]
     _set_requires_gradient_sync(self, False)
     try:

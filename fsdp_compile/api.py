@@ -198,8 +198,8 @@ def fully_shard(
     ``edp`` with ``strategy``. FSDP2's ``offload_policy``, ``shard_placement_fn`` and
     ``ignored_params`` are taken where they ask for what this does anyway, else refused
     (``check_fsdp2_options``). A list of modules is one unit, as FSDP2 groups it (torchtitan's
-    ``fully_shard([model.norm, model.output])``): their parameters may share a bucket. Returns
-    ``module``.
+    ``fully_shard([model.norm, model.output])``): their parameters may share a bucket, and
+    ``set_requires_gradient_sync`` on one sets it for all. Returns ``module``.
     """
     modules = grouped_modules(module)
     for each in modules:  # every module checked before any is sharded
