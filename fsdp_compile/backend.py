@@ -349,7 +349,7 @@ class MfsdpBackend:
         owner = compiling_backend() or self
         if not self.options.cuda_graph:  # refused there, by the pipeline's check
             _say_graph_break(gm, owner)
-        ranks_in_step = note_compile(owner.recompiles, f"_of_backend{owner._serial}", example_inputs)
+        ranks_in_step = note_compile(owner.recompiles, f"_of_backend{owner._serial}", gm, example_inputs)
         graph = CompiledGraph(gm, example_inputs, self.options, ranks_in_step=ranks_in_step)
         graphs.append(graph)
         with missing_gradients_stay_missing():

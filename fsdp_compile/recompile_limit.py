@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import fx
+
+from fsdp_compile.patterns import is_block_call, is_unshard
 
 __all__ = ["Recompile", "note_compile"]
 
@@ -79,10 +82,12 @@ def _what_compiles_were_for(compiles: list[Recompile], limit: int) -> str:
     return said
 
 
-def note_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: str, example_inputs: list) -> int:
-    """Keep what the compile under way is for in ``recompiles`` (a backend's, by frame and
-    Dynamo's count of that frame's compiles); warn when Dynamo compiles its frame for the last
-    time (NOTE: the recompile limit is said). ``body_suffix`` ends the code names of that
+def note_compile(
+    recompiles: dict[str, dict[int, Recompile]], body_suffix: str, gm: fx.GraphModule, example_inputs: list
+) -> int:
+    """Keep what the compile under way (of ``gm``) is for in ``recompiles`` (a backend's, by
+    frame and Dynamo's count of that frame's compiles); warn when Dynamo compiles its frame
+    for the last time (NOTE: the recompile limit is said). ``body_suffix`` ends the code names of that
     backend's repeated blocks' bodies (``MfsdpBackend.frame``). Returns whether this is the
     backend's first compile of the frame in its grad mode (True outside a Dynamo compile):
     every rank makes such a compile at the same call (NOTE: the rank check runs where the
@@ -104,7 +109,21 @@ def note_compile(recompiles: dict[str, dict[int, Recompile]], body_suffix: str, 
     this = compiles[compile_id.frame_compile_id] = _recompile(example_inputs)
     first_of_its_mode = all(c.grad != this.grad for c in compiles.values() if c is not this)
     limit = torch._dynamo.config.recompile_limit
-    if compile_id.frame_compile_id == limit - 1:
+    gathers = of_backend or any(is_unshard(n) or is_block_call(n) for n in gm.graph.nodes)
+    if compile_id.frame_compile_id == limit - 1 and not gathers:
+        # A frame that gathers nothing (an optimizer's step in a train step compiled whole)
+        # runs uncompiled as it would eagerly; the guard that changes is most often a float.
+        warnings.warn(
+            f"mfsdp: Dynamo compiles {frame} for the last time in this process, compile {limit} of "
+            f"its limit (torch._dynamo.config.recompile_limit = {limit}), and runs it uncompiled from "
+            "the next time on. It gathers no parameter, so it runs as it would eagerly, only slower."
+            f"{_what_compiles_were_for(list(compiles.values()), limit)} A float that changes at each "
+            "call is a guard: an LR scheduler's learning rate recompiles an optimizer's step each "
+            "step unless the optimizer holds it as a tensor (torch.optim.AdamW(params, "
+            "lr=torch.tensor(1e-3))).",
+            stacklevel=3,
+        )
+    elif compile_id.frame_compile_id == limit - 1:
         why = _what_compiles_were_for(list(compiles.values()), limit)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Each rank compiles for its own batches' shapes, so ranks reach the limit apart.

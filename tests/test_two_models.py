@@ -171,3 +171,31 @@ def test_the_compile_that_reaches_dynamo_s_recompile_limit_says_so_with_the_fix(
     assert len(said) == 1 and "forward" in said[0] and "torch.compiler.reset()" in said[0], said
     assert "compiled it 1 time. The other 1 was other torch.compile calls'" in said[0], said
     assert all(len(b.graphs) == 1 for b in backends)
+
+
+@pytest.mark.structure
+def test_an_optimizer_step_at_the_recompile_limit_is_said_as_one_that_gathers_nothing():
+    """A train step compiled whole, its LR scheduler stepped outside: each new float learning
+    rate is a guard of the optimizer's frame, which reaches the recompile limit. Its warning
+    said the frame would gather each parameter at each read and could hang the ranks (a
+    helper: neither holds for a frame that gathers nothing); it now says it runs as eagerly
+    and names the tensor learning rate (one gloo rank)."""
+    tokens, targets = make_batch(CFG, 2, 8, 0, 0)
+    with one_rank_group(), torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fully_shard(build_model(CFG))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+
+        @torch.compile(backend=MfsdpBackend(compiler="eager"))
+        def optimizer_step():
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for _ in range(3):
+            loss_fn(model(tokens), targets).backward()
+            optimizer_step()
+            scheduler.step()
+    said = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+    assert said and all("gathers no parameter" in s and "lr=torch.tensor" in s for s in said), said
+    assert not [s for s in said if "gathering each parameter" in s or "hangs" in s], said
