@@ -320,9 +320,15 @@ def unused_output_grads_freed_in_backward(compiled):
     ``no_grad``, and for outputs AOTAutograd does not return from its function (an input,
     a view it regenerates)."""
 
+    boxed = False  # the graph's backward seen taking its gradients boxed: nothing to do, ever
+
     def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal boxed
         outs = compiled(*args, **kwargs)
-        if not torch.is_grad_enabled():
+        if boxed or not torch.is_grad_enabled():
+            return outs
+        if any(getattr(_compiled_function(o), "boxed_grads_call", False) for o in outs):
+            boxed = True
             return outs
         picked = [i for i, o in enumerate(outs) if _held_by_the_engine(o)]
         if not picked:
@@ -335,18 +341,18 @@ def unused_output_grads_freed_in_backward(compiled):
     return functools.update_wrapper(run, compiled, assigned=(), updated=("__dict__",))
 
 
+def _compiled_function(out: object) -> type | None:
+    """The AOTAutograd function class ``out`` is an output of, if any."""
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or out.grad_fn is None:
+        return None
+    cls = getattr(out.grad_fn, "_forward_cls", None)
+    return cls if cls is not None and hasattr(cls, "compiled_bw") and hasattr(cls, "metadata") else None
+
+
 def _held_by_the_engine(out: object) -> bool:
     """An output of an AOTAutograd function whose backward takes its gradients as a tuple."""
-    if not isinstance(out, torch.Tensor) or not out.requires_grad or out.grad_fn is None:
-        return False
-    cls = getattr(out.grad_fn, "_forward_cls", None)
-    return (
-        cls is not None
-        and hasattr(cls, "compiled_bw")
-        and hasattr(cls, "metadata")
-        and not getattr(cls, "boxed_grads_call", False)
-        and type(out) is torch.Tensor
-    )
+    cls = _compiled_function(out)
+    return cls is not None and not getattr(cls, "boxed_grads_call", False) and type(out) is torch.Tensor
 
 
 class _ZerosWhenUnused(torch.autograd.Function):

@@ -109,8 +109,8 @@ def note_compile(
     this = compiles[compile_id.frame_compile_id] = _recompile(example_inputs)
     first_of_its_mode = all(c.grad != this.grad for c in compiles.values() if c is not this)
     limit = torch._dynamo.config.recompile_limit
-    gathers = of_backend or any(is_unshard(n) or is_block_call(n) for n in gm.graph.nodes)
-    if compile_id.frame_compile_id == limit - 1 and not gathers:
+    at_limit = compile_id.frame_compile_id == limit - 1
+    if at_limit and not of_backend and not any(is_unshard(n) or is_block_call(n) for n in gm.graph.nodes):
         # A frame that gathers nothing (an optimizer's step in a train step compiled whole)
         # runs uncompiled as it would eagerly; the guard that changes is most often a float.
         warnings.warn(
@@ -123,7 +123,7 @@ def note_compile(
             "lr=torch.tensor(1e-3))).",
             stacklevel=3,
         )
-    elif compile_id.frame_compile_id == limit - 1:
+    elif at_limit:
         why = _what_compiles_were_for(list(compiles.values()), limit)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Each rank compiles for its own batches' shapes, so ranks reach the limit apart.
