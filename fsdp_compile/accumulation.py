@@ -226,8 +226,9 @@ def settle_changed_sums(module: nn.Module) -> None:
     unsharded model keeps the gradients each weight had before its freeze, and gives one
     unfrozen since only the later ones. A flat sums for its members together, so when one
     changes the sum so far is reduced now (one collective, on every rank, which change the same
-    weights) and a new sum starts for those trainable now. Not inside a function Dynamo
-    traces, nor under ``inference_mode`` (the next forward settles then). Looked for during
+    weights) and a new sum starts for those trainable now. Not traced by Dynamo (a traced
+    forward's hook calls it with a graph break where a flat's members changed), nor under
+    ``inference_mode`` (the next forward settles then). Looked for during
     an accumulation round begun by ``set_requires_gradient_sync(False)`` on ``module`` (on the
     model, as FSDP2's users call it); the forward after the round's last ends it."""
     round_ = _round(module)

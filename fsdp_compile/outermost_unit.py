@@ -17,7 +17,9 @@ from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from fsdp_compile.flat_params import follow_members
 from fsdp_compile.accumulation import reduce_untaken_sums, settle_changed_sums
+from fsdp_compile.gathered_reads import traced_by_mfsdp
 from fsdp_compile.meta_buffers import refuse_unfilled_buffers
+from fsdp_compile.records import shard_info
 from fsdp_compile.region_tables import BLOCKS
 from fsdp_compile.regions import is_region
 from fsdp_compile.sharding_checks import refuse_meta_parameters
@@ -52,11 +54,22 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
         return
     # Traced, inside a function of the user's (``torch.compile(train_step)``): the flats follow
     # while Dynamo traces, before the blocks read them, and each member's flag read here is a
-    # guard of the frame, so a flag changed since traces it again.
+    # guard of the frame, so a flag changed since traces it again. Traced for mfsdp, a flat
+    # summing without sync for other members than those trainable now (a freeze since the
+    # last forward, with no ``set_requires_gradient_sync`` between) has its sum settled before
+    # the blocks read it: Dynamo breaks the graph there. The members it sums for are a guard
+    # too, so a frame traced with nothing to settle runs only while that still holds. (Another
+    # backend reads the members one by one, each summing its own.)
     blocks = module._mfsdp_regions
-    for block, members in zip(blocks, _follow_members_in_trace(tuple(block._mfsdp_region_key for block in blocks))):
-        for owner, name in members:
-            block.get_submodule(owner)._parameters[name].requires_grad  # noqa: B018 (the read is the guard)
+    by_mfsdp = traced_by_mfsdp()
+    changed = False
+    for block, flats in zip(blocks, _follow_members_in_trace(tuple(block._mfsdp_region_key for block in blocks))):
+        for flat, members in zip(block._mfsdp_region_flats.values(), flats):
+            now = tuple(block.get_submodule(owner)._parameters[name].requires_grad for owner, name in members)
+            if by_mfsdp and shard_info(flat).accumulation and getattr(flat, "_mfsdp_summed_for", now) != now:
+                changed = True
+    if changed:
+        _settle_changed_sums_untraced(module)
 
 
 def _after_forward(module: nn.Module, args: tuple, output) -> None:
@@ -75,6 +88,7 @@ def _after_forward(module: nn.Module, args: tuple, output) -> None:
 
 
 _reduce_untaken_sums_untraced = torch._dynamo.disable(reduce_untaken_sums)
+_settle_changed_sums_untraced = torch._dynamo.disable(settle_changed_sums)
 
 
 def _follow_members(blocks: tuple[nn.Module, ...]) -> None:
@@ -84,13 +98,13 @@ def _follow_members(blocks: tuple[nn.Module, ...]) -> None:
 
 
 @torch._dynamo.assume_constant_result
-def _follow_members_in_trace(block_keys: tuple[int, ...]) -> tuple[tuple[tuple[str, str], ...], ...]:
+def _follow_members_in_trace(block_keys: tuple[int, ...]) -> tuple[tuple[tuple[tuple[str, str], ...], ...], ...]:
     """Run, not traced, by Dynamo (it takes constants only): ``_follow_members``, and per
-    block where its flats' members are, as (owning submodule's path, parameter name)."""
+    block, per flat, where its members are, as (owning submodule's path, parameter name)."""
     blocks = tuple(BLOCKS[key] for key in block_keys)
     _follow_members(blocks)
     return tuple(
-        tuple(path.rpartition(".")[::2] for members in block._mfsdp_region.flats for path in members)
+        tuple(tuple(path.rpartition(".")[::2] for path in members) for members in block._mfsdp_region.flats)
         for block in blocks
     )
 
