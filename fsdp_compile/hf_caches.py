@@ -18,6 +18,7 @@ __all__ = [
     "is_cache",
     "cache_empty_at",
     "unanswered_layer",
+    "holds_states_at",
     "stand_in_spec",
     "is_stand_in_spec",
     "spec_layer",
@@ -49,6 +50,12 @@ def cache_empty_at(cache: Any, layers: tuple[int, ...]) -> bool:
     if len(parts) == 2:
         return all(_holds_nothing(parts[0], layer) and not cache.is_updated.get(layer) for layer in layers)
     return all(_holds_nothing(cache, layer) for layer in layers)
+
+
+def holds_states_at(cache: Any, layers: tuple[int, ...]) -> bool:
+    """Whether ``cache`` is one the stand-in could take the place of, but holds states for
+    ``layers`` already (a decoding step after the prefill). Traced in the step."""
+    return _dynamic_parts(cache) is not None and unanswered_layer(cache, layers) is None and not cache_empty_at(cache, layers)
 
 
 def unanswered_layer(cache: Any, layers: tuple[int, ...]) -> str | None:

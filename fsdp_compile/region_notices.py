@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.symbolic_convert import InstructionTranslator
 
 __all__ = [
-    "say_inline", "say_cache_layer_inline", "say_shared_inline", "say_tensor_parallel_inline", "say_dtensor_inline",
+    "say_inline", "say_cache_layer_inline", "say_cache_states_inline", "say_shared_inline", "say_tensor_parallel_inline", "say_dtensor_inline",
     "say_another_backend",
 ]
 
@@ -42,6 +42,20 @@ def say_cache_layer_inline(block: str, cache: str, layer: str) -> None:
         "model with use_cache=False (or set model.config.use_cache = False before compiling): "
         "HF then builds no cache, which training does not read, and each layer is one call of "
         "the compiled body.",
+        stacklevel=2,
+    )
+
+
+@torch._dynamo.assume_constant_result
+def say_cache_states_inline(block: str, cache: str) -> None:
+    """Said once per block class and cache class (Python's warnings keep the first)."""
+    warnings.warn(
+        f"a repeated {block} is called with HF's {cache} already holding keys and values for its "
+        "layer (a decoding step after the prefill): the block's compiled body takes a cache only "
+        "while it holds nothing for the layer, so each such call is traced inline in the step, as "
+        "with options={'regional': False}, at eager's results, and compile time grows with depth "
+        "(and with each new length). To decode, call the model fully_shard returned, uncompiled "
+        "(model.generate(...) on the compiled one does); to train, pass use_cache=False.",
         stacklevel=2,
     )
 

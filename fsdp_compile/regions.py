@@ -59,7 +59,7 @@ from fsdp_compile.gathered_reads import copied_module, float8_read, traced_by_mf
 from fsdp_compile.records import next_param_id, shard_info, stack_layers
 from fsdp_compile.region_body import region_body, region_inline, structure
 from fsdp_compile.region_notices import (
-    say_another_backend, say_cache_layer_inline, say_dtensor_inline, say_inline, say_shared_inline, say_tensor_parallel_inline,
+    say_another_backend, say_cache_layer_inline, say_cache_states_inline, say_dtensor_inline, say_inline, say_shared_inline, say_tensor_parallel_inline,
 )
 from fsdp_compile.region_tables import (
     BLOCK_KEYS, BLOCKS, RECIPES, RegionLayout, block_flag_sources, call_layout, call_output_form, gather_recipe, layers_of, opened_at, param_at,
@@ -111,6 +111,9 @@ def _region_forward(self: nn.Module, *args, **kwargs):
             for leaf in given:
                 if hf_caches.is_cache(leaf) and (kind := hf_caches.unanswered_layer(leaf, block_layers)):
                     say_cache_layer_inline(type(self).__name__, type(leaf).__name__, kind)
+                    said = True
+                elif hf_caches.is_cache(leaf) and len(block_layers) == 1 and hf_caches.holds_states_at(leaf, block_layers):
+                    say_cache_states_inline(type(self).__name__, type(leaf).__name__)
                     said = True
     layout, tensor_at, constant_at = call_layout(len(args), tuple(kwargs), len(gathered), opened, sizes, is_tensor)
     constants = tuple(map(operator.getitem, itertools.repeat(leaves), constant_at))

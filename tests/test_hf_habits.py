@@ -885,6 +885,32 @@ def _eager_and_compiled(model: torch.nn.Module, **inputs) -> tuple:
 
 
 @pytest.mark.structure
+def test_a_decoding_step_through_the_compiled_model_is_said_as_a_cache_holding_states():
+    """A decoding step of the user's own (``past_key_values=`` the prefill's cache) through the
+    compiled model: the cache holds the layer's keys and values, so each layer is traced
+    inline. It was said as a ``DynamicCache`` that "cannot" be handed over while the same
+    message listed ``DynamicCache`` among what goes through, with a fix (pass the values the
+    block reads) no HF user can apply (a helper's probe). It is said as a cache holding
+    states now, naming the uncompiled model for decoding; the logits are eager's (one gloo
+    rank)."""
+    reference = _build("llama").eval()
+    prompt, step = torch.randint(0, VOCAB, (1, SEQ)), torch.randint(0, VOCAB, (1, 1))
+    with torch.no_grad():
+        cache = reference(input_ids=prompt, use_cache=True).past_key_values
+        expected = reference(input_ids=step, past_key_values=cache, use_cache=True).logits
+    model = copy.deepcopy(reference)
+    with one_rank_group(), torch.no_grad(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        compiled = torch.compile(fully_shard(model), backend=MfsdpBackend(compiler="eager"))
+        cache = compiled(input_ids=prompt, use_cache=True).past_key_values
+        logits = compiled(input_ids=step, past_key_values=cache, use_cache=True).logits
+    messages = [str(w.message) for w in said if "LlamaDecoderLayer" in str(w.message)]
+    assert messages and all("already holding keys and values for its layer" in m for m in messages), messages
+    assert not [m for m in messages if "cannot hand" in m]
+    torch.testing.assert_close(logits, expected)
+
+
+@pytest.mark.structure
 @pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1"])
 def test_a_cache_holding_linear_attention_layers_is_traced_inline_and_said_with_use_cache_false(family):
     """transformers 5.25's ``DynamicCache`` holds a linear-attention layer for each of
