@@ -26,7 +26,7 @@ from fsdp_compile.records import ShardInfo, built_class_name, gathered_params, i
 
 __all__ = [
     "marker_args", "read_state", "unshard_marker", "set_requires_gradient_sync", "reduce_untaken_sums",
-    "reduce_orphaned_sums", "settle_changed_sums", "ACCUMULATION_METHODS",
+    "reduce_orphaned_sums", "settle_changed_sums", "sum_outdated", "ACCUMULATION_METHODS",
 ]
 
 
@@ -230,10 +230,18 @@ def settle_changed_sums(module: nn.Module) -> None:
     forward's hook calls it with a graph break where a flat's members changed), nor under
     ``inference_mode`` (the next forward settles then). Looked for during
     an accumulation round begun by ``set_requires_gradient_sync(False)`` on ``module`` (on the
-    model, as FSDP2's users call it); the forward after the round's last ends it."""
-    round_ = _round(module)
-    if round_ is None or torch.is_inference_mode_enabled():
+    model, as FSDP2's users call it, or on units inside it: each unit's round is settled for
+    its own weights); the forward after the round's last ends it."""
+    if torch.is_inference_mode_enabled():
         return
+    for unit in _units(module):
+        round_ = _round(unit)
+        if round_ is not None:
+            _settle_round(unit, round_)
+
+
+def _settle_round(module: nn.Module, round_: dict) -> None:
+    """``settle_changed_sums`` for the weights under ``module``, in its accumulation round."""
     if round_["done"]:  # nothing is summed any more, and reset_iter_state has nothing to drop
         del module.__dict__["_mfsdp_round"]
         for param in _accumulating(module):
@@ -245,9 +253,9 @@ def settle_changed_sums(module: nn.Module) -> None:
             continue
         members = getattr(param, "_mfsdp_members", None)
         now = _trainable(members) if members else (param.requires_grad,)
-        summed_for = getattr(param, "_mfsdp_summed_for", now) if members else (True,)
-        if now == summed_for:
+        if not (sum_outdated(param, now) if members else not param.requires_grad):
             continue
+        summed_for = param._mfsdp_summed_for if members else (True,)
         state = info.accumulation
         summing = "accumulator" in state
         total = _sum_so_far(state)
@@ -255,6 +263,13 @@ def settle_changed_sums(module: nn.Module) -> None:
             _reduce_sum(param, info, total, summed_for, round_)
         if summing and any(now):
             _start_sum(param, info)
+
+
+def sum_outdated(flat: nn.Parameter, trainable: tuple[bool, ...]) -> bool:
+    """Whether ``flat`` sums without sync for other members than those ``trainable`` now (one
+    frozen or unfrozen since its sum began), which ``settle_changed_sums`` settles. Also read
+    by Dynamo in a traced forward's hook, where each read is a guard."""
+    return bool(shard_info(flat).accumulation) and getattr(flat, "_mfsdp_summed_for", trainable) != trainable
 
 
 def _sum_so_far(state: dict) -> torch.Tensor | None:
@@ -311,6 +326,11 @@ def _round(module: nn.Module, *, opening: bool = False) -> dict | None:
     elif opening and (current is None or not current["open"]):
         current = module.__dict__["_mfsdp_round"] = {"open": True, "done": False}
     return current
+
+
+def _units(module: nn.Module) -> tuple[nn.Module, ...]:
+    """``module`` and, for the outermost unit, the units inside it (outermost_unit.py)."""
+    return (module, *module.__dict__.get("_mfsdp_inner_units", ()))
 
 
 def _trainable(members) -> tuple[bool, ...]:
@@ -387,10 +407,10 @@ def _reset_iter_state(self: nn.Module) -> None:
             f"reset_iter_state() was called on a {built_class_name(self)} inside the model: call "
             "it on the module fully_shard was called on last (the root), as FSDP2 requires."
         )
-    round_ = _round(self)
+    rounds = [round_ for unit in _units(self) if (round_ := _round(unit)) is not None]
     for param in _accumulating(self):
         kept = param.__dict__.pop("_mfsdp_grad_before", None)
-        if kept is not None and kept[0] is round_:  # what the round reduced early goes too
+        if kept is not None and any(kept[0] is round_ for round_ in rounds):  # what a round reduced early goes too
             param.grad = kept[1]
         info = shard_info(param)
         if info is None:

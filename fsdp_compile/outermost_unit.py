@@ -16,10 +16,10 @@ from torch._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from fsdp_compile.flat_params import follow_members
-from fsdp_compile.accumulation import reduce_untaken_sums, settle_changed_sums
+from fsdp_compile.accumulation import reduce_untaken_sums, settle_changed_sums, sum_outdated
 from fsdp_compile.gathered_reads import traced_by_mfsdp
 from fsdp_compile.meta_buffers import refuse_unfilled_buffers
-from fsdp_compile.records import shard_info
+from fsdp_compile.records import is_fully_sharded
 from fsdp_compile.region_tables import BLOCKS
 from fsdp_compile.regions import is_region
 from fsdp_compile.sharding_checks import refuse_meta_parameters
@@ -34,8 +34,12 @@ def install_outermost_hook(module: nn.Module) -> None:
         for handle in unit_module.__dict__.pop("_mfsdp_outermost_hooks", ()):
             handle.remove()
         unit_module.__dict__.pop("_mfsdp_regions", None)
-    # A tuple: the model holds its blocks.
+        unit_module.__dict__.pop("_mfsdp_inner_units", None)
+    # Tuples: the model holds its blocks and units. The units inside are where a
+    # ``set_requires_gradient_sync`` called on them (FSDP2 allows it on any unit) keeps its
+    # accumulation round, which the hook settles too.
     module._mfsdp_regions = tuple(m for m in module.modules() if is_region(m))
+    module._mfsdp_inner_units = tuple(m for m in module.modules() if m is not module and is_fully_sharded(m))
     module._mfsdp_outermost_hooks = (
         module.register_forward_pre_hook(_before_forward, prepend=True, with_kwargs=True),
         module.register_forward_hook(_after_forward),
@@ -45,7 +49,8 @@ def install_outermost_hook(module: nn.Module) -> None:
 def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse parameters still on the meta device and non-persistent buffers a meta init left
     unfilled; make each block's flats require a gradient as their members now do (NOTE:
-    requires_grad after fully_shard, in flat_params.py)."""
+    requires_grad after fully_shard, in flat_params.py); settle the sums of weights frozen or
+    unfrozen since the last forward during an accumulation (``settle_changed_sums``)."""
     refuse_meta_parameters(module, args, kwargs)
     refuse_unfilled_buffers(module)
     if not torch.compiler.is_compiling():
@@ -66,7 +71,7 @@ def _before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     for block, flats in zip(blocks, _follow_members_in_trace(tuple(block._mfsdp_region_key for block in blocks))):
         for flat, members in zip(block._mfsdp_region_flats.values(), flats):
             now = tuple(block.get_submodule(owner)._parameters[name].requires_grad for owner, name in members)
-            if by_mfsdp and shard_info(flat).accumulation and getattr(flat, "_mfsdp_summed_for", now) != now:
+            if by_mfsdp and sum_outdated(flat, now):
                 changed = True
     if changed:
         _settle_changed_sums_untraced(module)

@@ -862,19 +862,23 @@ def test_no_sync_context_of_ddp_accumulates_the_micro_batches_inside_it(compiled
 
 @pytest.mark.structure
 @pytest.mark.parametrize(
-    ("frozen_at", "sync"), [("0110", "each"), ("100", "each"), ("0110", "first_and_last"), ("1100", "first_and_last")]
+    ("frozen_at", "sync"),
+    [("0110", "each"), ("100", "each"), ("0110", "first_and_last"), ("1100", "first_and_last"), ("0110", "layers_first_and_last")],
 )
 @pytest.mark.parametrize("mode", ["uncompiled", "mfsdp", "per_block", "users_function", "users_mfsdp"])
 def test_a_weight_frozen_for_some_micro_batches_of_one_round_gets_the_others_gradients(mode, frozen_at, sync):
     """Micro-batches with a block's weight and a root weight frozen for those ``frozen_at``
     marks, sync set off before each but the last (``each``) or only before the first
-    (``first_and_last``), on before the last. Inside a function the user compiled, the
-    forward's hook that settles a freeze ran traced: a frozen weight's read went on summing
-    its gradient (off by up to 12.8 with another backend), and under mfsdp a block's sum
-    went to a member frozen for part of it (2.8; with sync set only twice, still 2.8 and 1.9).
-    A frozen weight's read now neither sums nor takes a sum, a traced forward settles a
-    freeze of a block's weight before the block reads it (a graph break), and the gradients
-    equal the unsharded model's (one gloo rank)."""
+    (``first_and_last``), on before the last; on the model, or on each layer, as FSDP2 allows
+    (``layers_first_and_last``). Inside a function the user compiled, the forward's hook
+    that settles a freeze ran traced: a frozen weight's read went on summing its gradient
+    (off by up to 12.8 with another backend), and under mfsdp a block's sum went to a member
+    frozen for part of it (2.8; with sync set only twice, still 2.8 and 1.9). With sync set
+    on the layers the hook looked for the model's round alone, and the sum went to the
+    frozen member in every mode (2.8, a reviewer). A frozen weight's read now neither sums
+    nor takes a sum, a traced forward settles a freeze of a block's weight before the block
+    reads it (a graph break), the hook settles each unit's round, and the gradients equal
+    the unsharded model's (one gloo rank)."""
     torch.manual_seed(0)
     reference = _FramedStack()
     model = copy.deepcopy(reference)
@@ -887,7 +891,8 @@ def test_a_weight_frozen_for_some_micro_batches_of_one_round_gets_the_others_gra
                 net.layers[1].a.weight.requires_grad_(frozen_at[at] == "0")
                 net.proj.weight.requires_grad_(frozen_at[at] == "0")
             if sync == "each" or at in (0, len(micros) - 1):
-                model.set_requires_gradient_sync(at == len(micros) - 1)
+                for unit in model.layers if sync.startswith("layers") else [model]:
+                    unit.set_requires_gradient_sync(at == len(micros) - 1)
             forward(micro).sum().backward()
             reference(micro).sum().backward()
         assert_gradients_match({name: p.grad.full_tensor() for name, p in model.named_parameters()}, reference)
