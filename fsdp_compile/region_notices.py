@@ -51,11 +51,11 @@ def say_cache_states_inline(block: str, cache: str) -> None:
     """Said once per block class and cache class (Python's warnings keep the first)."""
     warnings.warn(
         f"a repeated {block} is called with HF's {cache} already holding keys and values for its "
-        "layer (a decoding step after the prefill): the block's compiled body takes a cache only "
-        "while it holds nothing for the layer, so each such call is traced inline in the step, as "
-        "with options={'regional': False}, at eager's results, and compile time grows with depth "
-        "(and with each new length). To decode, call the model fully_shard returned, uncompiled "
-        "(model.generate(...) on the compiled one does); to train, pass use_cache=False.",
+        "layer (a decoding step, a prefill's later chunk, a prefix passed in): the block's compiled "
+        "body takes a cache only while it holds nothing for the layer, so each such call is traced "
+        "inline in the step, as with options={'regional': False}, at eager's results, and compile "
+        "time grows with depth (and with each new length). To decode, call the model fully_shard "
+        "returned, uncompiled (model.generate(...) on the compiled one does).",
         stacklevel=2,
     )
 

@@ -171,9 +171,10 @@ def test_a_step_holds_no_more_memory_than_under_fsdp2_with_per_block_compile(fam
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
-    # oneDNN's bf16 matmuls take scratch space from the allocator by the CPU's instruction set
-    # (AMX on a Sapphire Rapids: 64 KiB more at mfsdp's peak than at FSDP2's, none on an
-    # AVX-512 or AVX2 core); ATen's own kernels take the same on every machine.
+    # oneDNN's bf16 matmuls take scratch space from torch's allocator by the CPU's instruction
+    # set (with AMX, 64 KiB more at mfsdp's peak than at FSDP2's; none with oneDNN held to
+    # AVX-512 or AVX2); with oneDNN off the matmuls take none from it, and the peaks compare
+    # what each step keeps alive.
     with fake_process_group(8), torch.backends.mkldnn.flags(enabled=False):
         model = fully_shard(_step_model(family, checkpointing), mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
         ours = _step_peak(model, torch.compile(model, backend=MfsdpBackend(compiler="eager")))

@@ -906,7 +906,6 @@ def test_a_decoding_step_through_the_compiled_model_is_said_as_a_cache_holding_s
         logits = compiled(input_ids=step, past_key_values=cache, use_cache=True).logits
     messages = [str(w.message) for w in said if "LlamaDecoderLayer" in str(w.message)]
     assert messages and all("already holding keys and values for its layer" in m for m in messages), messages
-    assert not [m for m in messages if "cannot hand" in m]
     torch.testing.assert_close(logits, expected)
 
 

@@ -389,9 +389,9 @@ def _float8(ctx: RankContext) -> dict:
         except UsageError as error:
             return {"refused": str(error)}
         return {"refused": ""}
-    # ATen's own float8 matmuls: oneDNN's, on a core with AMX, round the uncompiled run's
-    # first gradients 5e-8 apart from the compiled run's, and the next float8 cast of a master
-    # then flips (parameters 4e-3 apart after three steps; 3e-8 with ATen's, as on AVX2).
+    # Without oneDNN: its float8 matmuls, on a core with AMX, round the uncompiled run's first
+    # gradients 5e-8 apart from the compiled run's, and the next float8 cast of a master then
+    # flips (parameters 4e-3 apart after three steps; 3e-8 with oneDNN off, on that core).
     with torch.backends.mkldnn.flags(enabled=False):
         return _float8_runs(ctx, cfg)
 
