@@ -54,7 +54,8 @@ def cache_empty_at(cache: Any, layers: tuple[int, ...]) -> bool:
 
 def holds_states_at(cache: Any, layers: tuple[int, ...]) -> bool:
     """Whether ``cache`` is one the stand-in could take the place of, but holds states for
-    ``layers`` already (a decoding step after the prefill). Traced in the step."""
+    ``layers`` already (a decoding step, a prefill's later chunk, a prefix passed in). Traced
+    in the step: ``cache_empty_at`` is False for it, as for a cache the stand-in cannot take."""
     return _dynamic_parts(cache) is not None and unanswered_layer(cache, layers) is None and not cache_empty_at(cache, layers)
 
 
